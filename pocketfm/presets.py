@@ -7,6 +7,8 @@ that indexer top-k decisions are free of exact ties.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .config import ModelConfig
 from .errors import InputError
 
@@ -26,6 +28,12 @@ def _config(**kw) -> ModelConfig:
     n = common["n_layers"]
     common.setdefault("swiglu_clamp", (10.0,) * n)
     common.setdefault("swiglu_clamp_shared", (10.0,) * n)
+    # GGUF stores these as f32: round them the same way so a written file reads back equal
+    for k, v in common.items():
+        if isinstance(v, float):
+            common[k] = float(np.float32(v))
+        elif isinstance(v, tuple) and v and isinstance(v[0], float):
+            common[k] = tuple(float(np.float32(x)) for x in v)
     cfg = ModelConfig(**common)
     cfg.validate("preset")
     return cfg

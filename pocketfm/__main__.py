@@ -1,0 +1,4 @@
+"""``python -m pocketfm`` = the ``pocketfm`` command."""
+from .cli import main
+
+main()

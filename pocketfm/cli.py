@@ -1,0 +1,205 @@
+"""The ``pocketfm`` command line: run, inspect, make-model.
+
+Bad input of any kind (flag, file, tensor, metadata key, prompt) ends with one line on stderr,
+``error: …``, and exit status 2 — no traceback (see errors.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+
+import click
+
+from .errors import InputError
+
+EMBEDDED_PRESET, EMBEDDED_QUANT, EMBEDDED_SEED = "tiny", "ds4-q2", 0
+
+
+class OneLineErrors(click.Group):
+    """A click group whose usage errors and InputErrors print one line and exit 2."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+            sys.exit(rv if isinstance(rv, int) else 0)
+        except click.exceptions.Exit as e:  # --help and friends
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        except click.ClickException as e:
+            click.echo(f"error: {_usage_line(e)}", err=True)
+            sys.exit(2)
+        except InputError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except BrokenPipeError:  # `pocketfm run | head`
+            sys.exit(0)
+
+
+def _usage_line(e: click.ClickException) -> str:
+    msg = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)
+    return f"{ctx.command_path}: {msg}" if ctx is not None else msg
+
+
+def embedded_model_path() -> str:
+    """The embedded tiny model, built deterministically into the user cache on first use.
+
+    The file is a pure function of (preset, quant mix, seed, pocketfm version), so a rebuilt file
+    is identical; it is written atomically, so a concurrent first use cannot see half a file.
+    """
+    from . import __version__
+    from .presets import preset
+    from .synthetic import write_model
+
+    cache = os.environ.get("POCKETFM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocketfm")
+    path = os.path.join(cache, f"{EMBEDDED_PRESET}-{EMBEDDED_QUANT}-s{EMBEDDED_SEED}-"
+                               f"v{__version__}.gguf")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        write_model(preset(EMBEDDED_PRESET), path, quant=EMBEDDED_QUANT, seed=EMBEDDED_SEED,
+                    name="pocketfm-embedded-tiny")
+    return path
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """pocketfm — a minimalist long-context inference engine for DeepSeek-V4 GGUF models.
+
+    \b
+    Start here:
+      pocketfm run --prompt "Hello"          # embedded tiny model, CPU
+      pocketfm run --model FILE.gguf --ctx 4096 --prompt-file notes.txt
+      pocketfm inspect FILE.gguf             # metadata, tensor table, bytes by type
+      pocketfm make-model --preset tiny --quant ds4-q2 -o tiny.gguf
+    """
+
+
+@main.command()
+@click.option("--model", "model_path", type=str, default=None,
+              help="deepseek4 GGUF file (default: the embedded tiny model).")
+@click.option("--prompt", type=str, default=None, help="Prompt text.")
+@click.option("--prompt-file", type=str, default=None, help="Read the prompt from a UTF-8 file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the DeepSeek-V4 chat format.")
+@click.option("--max-tokens", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Tokens to generate.")
+@click.option("--ctx", type=click.IntRange(min=1), default=None,
+              help="Context capacity in tokens (prompt + generated); default: just enough.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0,
+              show_default=True, help="Nucleus sampling mass (with --temperature > 0).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="auto = cpu until the CUDA backend lands.")
+@click.option("--no-qat", is_flag=True,
+              help="Switch off the model's FP8/FP4 round-trips (for fidelity checks).")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt tokens per prefill forward call.")
+@click.option("--json", "as_json", is_flag=True,
+              help="End with one JSON object (tokens, prompt_tokens, prefill_tok_s, ...).")
+def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top_p, seed,
+        device, no_qat, prefill_chunk, as_json):
+    """Generate text: stream it, then print prompt/generated counts and tok/s."""
+    from .generate import load
+
+    if prompt is not None and prompt_file is not None:
+        raise InputError("--prompt and --prompt-file: give one, not both")
+    if prompt_file is not None:
+        prompt = _read_prompt_file(prompt_file)
+    if prompt is None:
+        prompt = "The quick brown fox"
+    model = load(model_path or embedded_model_path(), device=device, qat=not no_qat)
+    if ctx is not None and ctx > model.config.ctx_train:
+        raise InputError(f"--ctx {ctx}: exceeds the model's context_length "
+                         f"{model.config.ctx_train}")
+    stream = model.tokenizer.decode_stream()
+
+    def emit(tok):
+        piece = stream.push(tok)
+        if piece:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+
+    res = model.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                         seed=seed, ctx=ctx, chat=chat, prefill_chunk=prefill_chunk,
+                         on_token=emit)
+    click.echo("")
+    if as_json:
+        res.extra.update(device=model.device, model=model.path, text=res.text)
+        click.echo(json.dumps(res.summary()))
+    else:
+        click.echo(f"[{res.prompt_tokens} prompt tokens, {len(res.tokens)} generated "
+                   f"({res.stop_reason}); prefill {res.prefill_tok_s:.1f} tok/s, "
+                   f"decode {res.decode_tok_s:.1f} tok/s, device {model.device}]")
+
+
+def _read_prompt_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InputError(f"--prompt-file {path}: cannot read ({e.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"--prompt-file {path}: not UTF-8 (byte {e.start})") from None
+
+
+@main.command()
+@click.argument("path", type=str)
+@click.option("--all-keys", is_flag=True, help="Print long arrays in full.")
+def inspect(path, all_keys):
+    """Print a GGUF's metadata, tensor table and bytes by type, and check it as deepseek4."""
+    from .quants import type_name
+    from .weights import load_gguf
+
+    f = load_gguf(path)  # validates the whole table first: a bad file gives one error line
+    click.echo(f"file: {path} ({f.file_bytes / 2**20:.1f} MiB)")
+    click.echo("metadata:")
+    for key, value in f.meta.items():
+        if isinstance(value, list) and len(value) > 16 and not all_keys:
+            value = f"[{len(value)} items]"
+        click.echo(f"  {key} = {value}")
+    click.echo(f"tensors ({len(f.tensors)} used):")
+    by_type = Counter()
+    for t in f.tensors:
+        by_type[type_name(t.qtype)] += t.nbytes
+        click.echo(f"  {t.name:<40} {type_name(t.qtype):<8} ne={list(t.ne)} {t.nbytes} B")
+    click.echo("bytes by type:")
+    for name, n in by_type.most_common():
+        click.echo(f"  {name:<8} {n / 2**20:10.2f} MiB")
+    if f.weights.extra:
+        mtp = [n for n in f.weights.extra if n.startswith("mtp.") or ".nextn." in n]
+        click.echo(f"ignored tensors: {len(f.weights.extra)} ({len(mtp)} MTP; pocketfm does not "
+                   "use the optional MTP block)")
+    cfg = f.config
+    click.echo(f"model: {cfg.n_layers} layers, hidden {cfg.dim}, {cfg.n_params() / 1e9:.3f} B "
+               f"params, ratios {list(cfg.compress_ratios)}")
+
+
+@main.command("make-model")
+@click.option("--preset", "preset_name", type=click.Choice(["tiny", "small", "flash"]),
+              required=True, help="Model geometry.")
+@click.option("--quant", type=click.Choice(["f32", "q8_0", "ds4-q2"]), default="f32",
+              show_default=True, help="Tensor type mix (ds4-q2 = the antirez/ds4 2-bit mix).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weight seed.")
+@click.option("-o", "--output", type=str, required=True, help="Output GGUF path.")
+def make_model(preset_name, quant, seed, output):
+    """Write a deepseek4 GGUF with deterministic random weights and a byte-level BPE vocab."""
+    from .presets import preset
+    from .synthetic import write_model
+
+    cfg = preset(preset_name)
+    write_model(cfg, output, quant=quant, seed=seed, name=f"pocketfm-{preset_name}")
+    click.echo(f"wrote {output}: {preset_name} ({cfg.n_params() / 1e6:.2f} M params, {quant}, "
+               f"{os.path.getsize(output) / 2**20:.2f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

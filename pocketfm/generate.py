@@ -1,0 +1,158 @@
+"""The user-facing model object: load a GGUF, compute logits, generate text with timings.
+
+``pocketfm.load(path)`` returns a ``Model``; ``Model.generate`` runs a chunked prefill over the
+prompt, then decodes one token per forward call, sampling greedily (temperature 0) or with
+temperature + top-p from a seeded generator, and reports prefill and decode tokens per second.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InputError
+from .model import Forward, RunState
+from .tokenizer import Tokenizer
+from .weights import load_gguf
+
+DEVICES = ("cpu", "cuda")
+
+
+def resolve_device(device: str | None) -> str:
+    """``None``/"auto" picks cpu until the CUDA backend lands; "cuda" says clearly it is not here."""
+    if device in (None, "auto", "cpu"):
+        return "cpu"
+    if device == "cuda":
+        raise InputError("--device cuda: the CUDA backend is not implemented yet in this version "
+                         "of pocketfm; use --device cpu")
+    raise InputError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+
+
+def sample_next(logits: np.ndarray, temperature: float, top_p: float,
+                rng: np.random.Generator) -> int:
+    """Argmax at temperature 0; otherwise softmax(logits / T) restricted to the top-p nucleus."""
+    if temperature <= 0.0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    keep = order[: int(np.searchsorted(cum, top_p) + 1)]  # smallest prefix with mass >= top_p
+    q = p[keep] / p[keep].sum()
+    return int(keep[rng.choice(len(keep), p=q)])
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids
+    text: str
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int  # forward calls after the prefill
+    stop_reason: str  # "eos", "max_tokens" or "ctx"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": len(self.tokens),
+            "prefill_tok_s": round(self.prefill_tok_s, 3),
+            "decode_tok_s": round(self.decode_tok_s, 3),
+            "stop_reason": self.stop_reason, **self.extra,
+        }
+
+
+class Model:
+    """A loaded DeepSeek-V4 GGUF: config, tokenizer, weights and a forward pass."""
+
+    def __init__(self, path: str, device: str | None = None, qat: bool = True,
+                 dtype=np.float32):
+        self.device = resolve_device(device)
+        self.file = load_gguf(path)
+        self.path, self.config, self.weights = path, self.file.config, self.file.weights
+        self.tokenizer = Tokenizer.from_metadata(self.file.meta)
+        self.forward = Forward(self.config, self.weights, qat=qat, dtype=dtype)
+
+    def new_state(self, capacity: int) -> RunState:
+        return self.forward.new_state(capacity)
+
+    def logits(self, tokens, chunk: int | None = None) -> np.ndarray:
+        """Teacher-forced logits [T, vocab] of every position, from position 0 and a fresh state."""
+        tokens = self._check_ids(tokens)
+        state = self.new_state(len(tokens))
+        chunk = chunk or len(tokens)
+        parts = [self.forward.forward(tokens[i:i + chunk], state)
+                 for i in range(0, len(tokens), chunk)]
+        return np.concatenate(parts)
+
+    def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: ids pass through; text gets BOS (or the chat format)."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.chat(prompt, system=system)
+            return self.tokenizer.encode(prompt, bos=True)
+        return list(self._check_ids(prompt))
+
+    def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, ctx: int | None = None, chat: bool = False,
+                 prefill_chunk: int = 512, stop_at_eos: bool = True,
+                 on_token=None) -> GenerationResult:
+        """Prefill ``prompt`` in chunks, then decode up to ``max_tokens`` tokens.
+
+        ``ctx`` is the run's context capacity (prompt + generated); by default the prompt plus
+        ``max_tokens``, capped by the model's trained context. ``on_token(id)`` streams ids.
+        """
+        ids = self.encode_prompt(prompt, chat=chat)
+        if not ids:
+            raise InputError("prompt: empty prompt (expected at least one token)")
+        ctx = ctx or min(len(ids) + max_tokens, self.config.ctx_train)
+        if len(ids) > ctx:
+            raise InputError(f"prompt: {len(ids)} tokens is longer than --ctx {ctx}")
+        rng = np.random.default_rng(seed)
+        state = self.new_state(ctx)
+        t0 = time.perf_counter()
+        for i in range(0, len(ids), prefill_chunk):
+            logits = self.forward.forward(ids[i:i + prefill_chunk], state, all_logits=False)
+        prefill_s = time.perf_counter() - t0
+        out, stop, steps, t1 = [], "max_tokens", 0, time.perf_counter()
+        while len(out) < max_tokens:
+            tok = sample_next(logits[-1], temperature, top_p, rng)
+            out.append(tok)
+            if on_token:
+                on_token(tok)
+            if stop_at_eos and tok == self.tokenizer.eos_id:
+                stop = "eos"
+                break
+            if len(out) == max_tokens:
+                break
+            if state.pos >= ctx:
+                stop = "ctx"
+                break
+            logits = self.forward.forward([tok], state, all_logits=False)
+            steps += 1
+        decode_s = time.perf_counter() - t1
+        return GenerationResult(out, self.tokenizer.decode(out), len(ids), prefill_s, decode_s,
+                                steps, stop)
+
+    def _check_ids(self, tokens) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        bad = ids[(ids < 0) | (ids >= self.config.vocab)]
+        if bad.size:
+            raise InputError(f"tokens: id {int(bad[0])} out of range, expected 0..{self.config.vocab - 1}")
+        return ids
+
+
+def load(path: str, device: str | None = None, qat: bool = True, dtype=np.float32) -> Model:
+    """Load a deepseek4 GGUF. ``qat=False`` switches off the FP8/FP4 round-trips (spec §8b.1)."""
+    return Model(path, device=device, qat=qat, dtype=dtype)
