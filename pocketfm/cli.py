@@ -121,6 +121,8 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
     stream = model.tokenizer.decode_stream()
 
     def emit(tok):
+        if tok == model.tokenizer.eos_id:
+            return
         piece = stream.push(tok)
         if piece:
             click.echo(piece, nl=False)
@@ -129,7 +131,7 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
     res = model.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          seed=seed, ctx=ctx, chat=chat, prefill_chunk=prefill_chunk,
                          on_token=emit)
-    click.echo("")
+    click.echo(stream.flush())  # any held-back partial UTF-8, then the newline
     if as_json:
         res.extra.update(device=model.device, model=model.path, text=res.text)
         click.echo(json.dumps(res.summary()))

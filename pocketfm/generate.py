@@ -142,8 +142,9 @@ class Model:
             logits = self.forward.forward([tok], state, all_logits=False)
             steps += 1
         decode_s = time.perf_counter() - t1
-        return GenerationResult(out, self.tokenizer.decode(out), len(ids), prefill_s, decode_s,
-                                steps, stop)
+        text_ids = out[:-1] if stop == "eos" else out  # the end-of-sequence mark is not text
+        return GenerationResult(out, self.tokenizer.decode(text_ids), len(ids), prefill_s,
+                                decode_s, steps, stop)
 
     def _check_ids(self, tokens) -> np.ndarray:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
