@@ -97,11 +97,13 @@ class Model:
         return np.concatenate(parts)
 
     def encode_prompt(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
-        """Token ids for a prompt: ids pass through; text gets BOS (or the chat format)."""
+        """Token ids for a prompt: ids pass through; text gets BOS (unless the GGUF's
+        ``tokenizer.ggml.add_bos_token`` is false) or the chat format."""
         if isinstance(prompt, str):
             if chat:
                 return self.tokenizer.chat(prompt, system=system)
-            return self.tokenizer.encode(prompt, bos=True)
+            bos = bool(self.file.meta.get("tokenizer.ggml.add_bos_token", True))
+            return self.tokenizer.encode(prompt, bos=bos)
         return list(self._check_ids(prompt))
 
     def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0,

@@ -126,7 +126,7 @@ def test_quantised_norm_rejected(tmp_path, official_path):
 
 def test_prompt_longer_than_ctx(official_path):
     code, _, err = cli("run", "--model", official_path, "--prompt", "a" * 40, "--ctx", "16")
-    assert_one_line_error(code, err, "--ctx 16", "41 tokens")
+    assert_one_line_error(code, err, "--ctx 16", "40 tokens")
 
 
 def test_ctx_beyond_model(official_path):
