@@ -2,8 +2,14 @@
 import os
 import sys
 
-import numpy as np
-import pytest
+# Kernel tests run in Numba's CUDA simulator unless told otherwise (NUMBA_ENABLE_CUDASIM=0 on a
+# GPU machine). It must be set before numba is first imported (gpu_notes.md §4).
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
+    sys.setswitchinterval(1e-4)  # 4-5x faster simulated syncthreads
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OFFICIAL = os.path.join(HERE, "fixtures", "official-tiny")

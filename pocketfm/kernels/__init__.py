@@ -1,0 +1,10 @@
+"""CUDA kernels for the V4 forward, one module per op family.
+
+Each module holds, for every op: the NumPy reference (``*_ref``, the spec), the Numba kernel(s)
+(naive kept beside the fast ones, named by technique), and a launcher with the reference's
+signature (output first, preallocated device arrays). ``PTX_SIGNATURES`` lists every kernel with
+the argument types it is compiled for in CI lane B (see device.py). ``bench_cases()`` builds the
+kernel's V4-Flash-shaped benchmark for ``bin/bench-kernels``.
+"""
+FAMILIES = ("kvpack", "gemv", "gemv_lowbit", "norm_rope", "hc", "embed_sample", "qat",
+            "compressor", "indexer", "attention", "moe")

@@ -1,0 +1,148 @@
+"""Every numba-cuda touch point in one place: jit options, the simulator switch, reductions.
+
+Kernels run in two lanes (gpu_notes.md §4, §5):
+- CI lane A, Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): no warp intrinsics, no bf16,
+  no profiler-only jit options. Kernels stay correct there through ``warp_sum``'s shared-memory
+  path and through explicit int32 casts on packed bytes (NumPy scalars wrap otherwise).
+- CI lane B, ``compile_ptx`` for sm_90: every kernel in ``PTX_SIGNATURES`` of its module is
+  compiled in a separate process, so Numba typing errors the simulator never sees fail CI.
+On the H200 the same launchers run the real kernels.
+
+Inside kernels the module must be referred to as ``cuda`` (the simulator swaps that global).
+"""
+from __future__ import annotations
+
+import numba
+from numba import cuda
+
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+
+
+def kernel(fn=None, **opts):
+    """``cuda.jit`` with fastmath off by default and profiler-only options dropped in the
+    simulator (it raises TypeError on ``lineinfo``)."""
+    if SIMULATOR:
+        opts.pop("lineinfo", None)
+    else:
+        opts.setdefault("lineinfo", True)
+    deco = cuda.jit(**opts)
+    return deco(fn) if fn is not None else deco
+
+
+def device_fn(fn):
+    """A ``cuda.jit(device=True)`` helper, inlined by the compiler."""
+    return cuda.jit(device=True)(fn)
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def warp_sum(v, scratch):
+        """Sum of ``v`` over the calling warp, returned to every lane.
+
+        Simulator path: stage through ``scratch`` (a float32 shared array of blockDim.x) and
+        barriers, so EVERY thread of the block must call it (no divergent calls).
+        """
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        base = t - t % 32
+        s = scratch[base] * 0
+        for i in range(32):
+            if base + i < cuda.blockDim.x:
+                s += scratch[base + i]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True)
+    def warp_max(v, scratch):
+        """Maximum of ``v`` over the calling warp (simulator path; see warp_sum)."""
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        base = t - t % 32
+        m = scratch[base]
+        for i in range(1, 32):
+            if base + i < cuda.blockDim.x:
+                m = max(m, scratch[base + i])
+        cuda.syncthreads()
+        return m
+else:
+    @cuda.jit(device=True)
+    def warp_sum(v, scratch):
+        """Sum of ``v`` over the calling warp, returned to every lane (butterfly shuffles;
+        ``scratch`` is unused on the GPU and may be any array)."""
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+        return v
+
+    @cuda.jit(device=True)
+    def warp_max(v, scratch):
+        """Maximum of ``v`` over the calling warp, returned to every lane."""
+        for off in (16, 8, 4, 2, 1):
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+        return v
+
+
+@cuda.jit(device=True)
+def block_sum(v, scratch):
+    """Sum of ``v`` over the whole block (any size <= 1024), returned to every thread.
+
+    ``scratch``: float32 shared array of at least blockDim.x. Every thread must call it.
+    Shared-memory tree reduction: runs in the simulator and on the GPU alike.
+    """
+    t = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    scratch[t] = v
+    cuda.syncthreads()
+    step = 1
+    while step < n:
+        step *= 2
+    step //= 2
+    while step > 0:
+        if t < step and t + step < n:
+            scratch[t] += scratch[t + step]
+        cuda.syncthreads()
+        step //= 2
+    s = scratch[0]
+    cuda.syncthreads()
+    return s
+
+
+@cuda.jit(device=True)
+def block_max(v, scratch):
+    """Maximum of ``v`` over the whole block, returned to every thread (see block_sum)."""
+    t = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    scratch[t] = v
+    cuda.syncthreads()
+    step = 1
+    while step < n:
+        step *= 2
+    step //= 2
+    while step > 0:
+        if t < step and t + step < n:
+            scratch[t] = max(scratch[t], scratch[t + step])
+        cuda.syncthreads()
+        step //= 2
+    m = scratch[0]
+    cuda.syncthreads()
+    return m
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def to_device(a, stream=0):
+    return cuda.to_device(a, stream=stream)
+
+
+def device_empty(shape, dtype, stream=0):
+    return cuda.device_array(shape, dtype=dtype, stream=stream)
+
+
+def gpu_available() -> bool:
+    """True on a real CUDA device (never in the simulator)."""
+    return not SIMULATOR and cuda.is_available()

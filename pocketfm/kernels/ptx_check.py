@@ -1,0 +1,60 @@
+"""CI lane B: compile every kernel for sm_90 with ``numba.cuda.compile_ptx`` (no GPU needed).
+
+    python -m pocketfm.kernels.ptx_check        # exit 0 ok, 1 a kernel failed, 3 no NVVM
+
+Must run WITHOUT the simulator (``NUMBA_ENABLE_CUDASIM`` unset or 0), in its own process: the
+simulator and the compiler cannot share one. Needs the nvidia-nvvm and nvidia-cuda-nvrtc wheels.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+
+from . import FAMILIES
+
+
+def all_signatures():
+    """(module, kernel, signature) for every kernel of every family."""
+    for fam in FAMILIES:
+        try:
+            mod = importlib.import_module(f"pocketfm.kernels.{fam}")
+        except ModuleNotFoundError as e:
+            if e.name == f"pocketfm.kernels.{fam}":
+                continue  # family not written yet
+            raise
+        for kern, sig in getattr(mod, "PTX_SIGNATURES", []):
+            yield fam, kern, sig
+
+
+def main() -> int:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        print("ptx_check: unset NUMBA_ENABLE_CUDASIM (the simulator cannot compile PTX)")
+        return 2
+    from numba import cuda
+
+    try:
+        from numba.cuda.cudadrv.nvvm import NVVM
+
+        NVVM()
+    except Exception as e:  # no libnvvm: the wheels are not installed
+        print(f"ptx_check: NVVM unavailable ({type(e).__name__}: {e})")
+        return 3
+    failed, n, t0 = [], 0, time.time()
+    for fam, kern, sig in all_signatures():
+        n += 1
+        name = getattr(kern, "__name__", None) or getattr(kern, "py_func", kern).__name__
+        try:
+            cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), lineinfo=True)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            failed.append(f"{fam}.{name} {sig}: {first}")
+    for f in failed:
+        print("FAILED", f)
+    print(f"ptx_check: {n - len(failed)}/{n} kernels compiled for sm_90 in {time.time() - t0:.1f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
