@@ -8,6 +8,39 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
     sys.setswitchinterval(1e-4)  # 4-5x faster simulated syncthreads
 
+
+def _thread_safe_simulated_shared_arrays():
+    """numba-cuda 0.30.4's simulator creates a block's shared array on first use with an
+    unlocked check-then-insert: two threads can each make their own copy, and the block then
+    computes with two different "shared" arrays (seen: 8 wrong results in 3000 launches). Same
+    logic as FakeCUDAShared.array, under a lock; the allocation stays keyed by the caller's
+    source line (so this function must be called directly by the kernel, as the original is)."""
+    import threading
+    import traceback
+
+    from numba.cuda.simulator import kernelapi
+
+    original = kernelapi.FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = kernelapi.np.empty(shape, dtype)
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
+    _thread_safe_simulated_shared_arrays()
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
