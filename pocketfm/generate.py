@@ -29,19 +29,41 @@ def resolve_device(device: str | None) -> str:
     raise InputError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
 
 
+def sample_top_p_ref(out_id, logits, temperature: float, top_p: float, u) -> int:
+    """Temperature + nucleus sampling with a caller-drawn uniform ``u`` — THE definition, shared
+    by the CPU path and the GPU kernel (``kernels.embed_sample.sample_top_p``), so both draw the
+    same id from the same u. ``u``: a float in [0, 1) or a 1-element array; ``out_id``: a
+    1-element int array or None. Returns the id.
+
+    1. p = softmax(logits / temperature) in float64;
+    2. keep every token with p >= tau, tau the largest threshold that keeps mass >= top_p (the
+       smallest high-probability set; ties at tau all kept; top_p >= 1 keeps everything);
+    3. the first kept id, in ascending id order, whose cumulative renormalised mass exceeds u.
+    """
+    lg = np.asarray(logits, np.float64).reshape(-1)
+    p = np.exp((lg - lg.max()) / temperature)
+    p /= p.sum()
+    keep = np.ones(len(p), bool)
+    if top_p < 1.0:
+        ps = np.sort(p)[::-1]
+        k = min(int(np.searchsorted(np.cumsum(ps), top_p)), len(ps) - 1)  # first cum >= top_p
+        keep = p >= ps[k]
+    c = np.cumsum(np.where(keep, p, 0.0))
+    uu = float(np.asarray(u, np.float64).reshape(-1)[0])
+    i = int(np.searchsorted(c, uu * c[-1], side="right"))  # first cumulative mass > u * S
+    if i >= len(p):
+        i = int(np.flatnonzero(keep)[-1])
+    if out_id is not None:
+        out_id[0] = i
+    return i
+
+
 def sample_next(logits: np.ndarray, temperature: float, top_p: float,
                 rng: np.random.Generator) -> int:
-    """Argmax at temperature 0; otherwise softmax(logits / T) restricted to the top-p nucleus."""
+    """Argmax at temperature 0 (ties to the lowest id); otherwise one draw of u from ``rng``."""
     if temperature <= 0.0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    cum = np.cumsum(p[order])
-    keep = order[: int(np.searchsorted(cum, top_p) + 1)]  # smallest prefix with mass >= top_p
-    q = p[keep] / p[keep].sum()
-    return int(keep[rng.choice(len(keep), p=q)])
+    return sample_top_p_ref(None, logits, temperature, top_p, rng.random())
 
 
 @dataclass

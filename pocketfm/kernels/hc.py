@@ -1,0 +1,483 @@
+"""Hyper-connection kernels: HC pre, HC post and the output-head collapse (spec §4.2, §4.3, §4.12).
+
+Dimension letters: T tokens, HC streams (4 in V4), D hidden (4096), C = HC * D flattened stream
+columns, M mix rows: (2 + HC) * HC = 24 for pre/post, HC for the head.
+
+The mix m[T, M] = r * (fn[M, C] . flatten(X[t])) reads all of fn (24 x 16384 float32 = 1.5 MB)
+for every token: at decode (T = 1) that is the whole cost, so it is split over C: block b of
+``_hc_mix_split`` takes 128 consecutive flattened columns, leaves one partial dot per mix row
+(plus a partial sum of squares for r), and a one-block-per-token finish adds them up, runs the
+tiny sigmoid / Sinkhorn part on one thread and writes u = sum_i pre_i X_i.
+
+The partials are parked in out_u itself (row t holds M+1 partials per split, laid out row-major
+[M+1, splits]): the finish block reads them all before a barrier and only then overwrites the
+row with u, so no workspace is needed; that requires (M+1) * splits <= D, which the launcher
+guarantees by widening the blocks (and falls back to the naive kernel for tiny D).
+
+fn must be float32: ds4 files store the HC fn tensors as F16; callers convert them once at load.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from .. import ops
+from . import device
+from .bench import BenchCase
+from .device import cdiv, warp_sum
+from .norm_rope import Dense
+
+MAX_THREADS = 1024
+MAX_HC = 8
+MAX_ROWS = (2 + MAX_HC) * MAX_HC  # 80 mix rows at HC = 8
+MAX_CB = 1024  # flattened columns per mix block
+UNROLL = 4  # independent loads issued per thread before their first use
+FINISH_THREADS = 512  # the finish kernels' registers do not fit 1024-thread blocks (H200)
+# shared/local array sizes must be plain global constants (no arithmetic inside kernels)
+MAX_HC2, MAX_ROWS1, MAX_HC1 = MAX_HC * MAX_HC, MAX_ROWS + 1, MAX_HC + 1
+MAX_PC = MAX_HC * (MAX_HC + 1)
+
+
+# ---- NumPy references (pocketfm.ops with array adapters) --------------------------------------
+def hc_pre_ref(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters) -> None:
+    """u[T, D], post[T, HC], comb[T, HC, HC] from X[T, HC, D] (spec §4.2)."""
+    ops.hc_pre(out_u, out_post, out_comb, X, Dense(fn), Dense(base), Dense(scale), rms_eps,
+               hc_eps, iters)
+
+
+def hc_post_ref(out, f, X, post, comb) -> None:
+    """out[T, k] = post[k] f + sum_j comb[j, k] X[j] (spec §4.3)."""
+    ops.hc_post(out, f, X, post, comb)
+
+
+def hc_head_ref(out_u, X, fn, base, scale, rms_eps, hc_eps) -> None:
+    """u[T, D] = sum_i pre_i X_i with sigmoid pre weights only (spec §4.12)."""
+    ops.hc_head(out_u, X, Dense(fn), Dense(base), Dense(scale), rms_eps, hc_eps)
+
+
+# ---- device helpers ------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _sigmoid(v):
+    one = np.float32(1.0)
+    return one / (one + math.exp(-v))
+
+
+@cuda.jit(device=True)
+def _sinkhorn(c, n, iters, eps):
+    """Sinkhorn in place on the n x n logits c[j * n + k] (row j = source stream, column k =
+    destination): row softmax + eps, column normalise, then (iters - 1) x (row, column).
+
+    One thread runs it: a dependent chain of 2 * iters normalisations, so each row / column
+    takes one reciprocal and n multiplies (n divides would triple the latency; <= 1 ulp apart).
+    """
+    one, zero = np.float32(1.0), np.float32(0.0)
+    for j in range(n):
+        mx = c[j * n]
+        for k in range(1, n):
+            mx = max(mx, c[j * n + k])
+        s = zero
+        for k in range(n):
+            e = math.exp(c[j * n + k] - mx)
+            c[j * n + k] = e
+            s += e
+        r = one / s
+        for k in range(n):
+            c[j * n + k] = c[j * n + k] * r + eps
+    for it in range(iters):
+        if it > 0:  # the first pass is the column step only (the softmax did the rows)
+            for j in range(n):
+                s = zero
+                for k in range(n):
+                    s += c[j * n + k]
+                r = one / (s + eps)
+                for k in range(n):
+                    c[j * n + k] *= r
+        for k in range(n):
+            s = zero
+            for j in range(n):
+                s += c[j * n + k]
+            r = one / (s + eps)
+            for j in range(n):
+                c[j * n + k] *= r
+
+
+@cuda.jit(device=True)
+def _comb(out_comb, c, n, mv, rinv, base, scale, hc_eps, iters, t):
+    """comb[t] = Sinkhorn(m[2n:] * scale_2 + base[2n:]) through the n x n scratch c."""
+    for e in range(n * n):
+        c[e] = mv[2 * n + e] * rinv * scale[2] + base[2 * n + e]
+    _sinkhorn(c, n, iters, hc_eps)
+    for e in range(n * n):
+        out_comb[t, e // n, e % n] = c[e]
+
+
+@cuda.jit(device=True)
+def _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t):
+    """post[t] and the Sinkhorn comb[t] from the raw mix mv (dots before the rms factor rinv).
+    One thread: ~1k dependent flops on a 4 x 4 matrix."""
+    hc = out_post.shape[1]
+    for i in range(hc):
+        out_post[t, i] = 2 * _sigmoid(mv[hc + i] * rinv * scale[1] + base[hc + i])
+    if hc == 4:  # V4: a constant size of its own lets the compiler keep the matrix in registers
+        c4 = cuda.local.array(16, np.float32)
+        _comb(out_comb, c4, 4, mv, rinv, base, scale, hc_eps, iters, t)
+    else:
+        c = cuda.local.array(MAX_HC2, np.float32)
+        _comb(out_comb, c, hc, mv, rinv, base, scale, hc_eps, iters, t)
+
+
+# ---- naive kernels: one thread per token, everything serial -------------------------------------
+@cuda.jit(device=True)
+def _mix_serial(mv, X, fn, t):
+    """mv[r] = fn[r] . flatten(X[t]) for every row; returns sum(x^2)."""
+    hc, D = X.shape[1], X.shape[2]
+    ss = 0.0
+    for s in range(hc):
+        for d in range(D):
+            ss += X[t, s, d] * X[t, s, d]
+    for r in range(fn.shape[0]):
+        acc = 0.0
+        for s in range(hc):
+            for d in range(D):
+                acc += fn[r, s * D + d] * X[t, s, d]
+        mv[r] = acc
+    return ss
+
+
+@device.kernel
+def _hc_pre_naive(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters):
+    t = cuda.grid(1)
+    if t >= X.shape[0]:
+        return
+    hc, D = X.shape[1], X.shape[2]
+    mv = cuda.local.array(MAX_ROWS, np.float32)
+    ss = _mix_serial(mv, X, fn, t)
+    rinv = np.float32(1.0 / math.sqrt(ss / (hc * D) + rms_eps))
+    _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
+    for i in range(hc):  # pre overwrites the first HC mix rows (no longer needed)
+        mv[i] = _sigmoid(mv[i] * rinv * scale[0] + base[i]) + hc_eps
+    for d in range(D):
+        u = 0.0
+        for s in range(hc):
+            u += mv[s] * X[t, s, d]
+        out_u[t, d] = u
+
+
+@device.kernel
+def _hc_head_naive(out_u, X, fn, base, scale, rms_eps, hc_eps):
+    t = cuda.grid(1)
+    if t >= X.shape[0]:
+        return
+    hc, D = X.shape[1], X.shape[2]
+    mv = cuda.local.array(MAX_HC, np.float32)
+    ss = _mix_serial(mv, X, fn, t)
+    rinv = np.float32(1.0 / math.sqrt(ss / (hc * D) + rms_eps))
+    for i in range(hc):
+        mv[i] = _sigmoid(mv[i] * rinv * scale[0] + base[i]) + hc_eps
+    for d in range(D):
+        u = 0.0
+        for s in range(hc):
+            u += mv[s] * X[t, s, d]
+        out_u[t, d] = u
+
+
+@device.kernel
+def _hc_post_naive(out, f, X, post, comb):
+    """One thread per output element out[t, k, d]."""
+    T, hc, D = out.shape
+    i = cuda.grid(1)
+    if i >= T * hc * D:
+        return
+    t, k, d = i // (hc * D), (i // D) % hc, i % D
+    acc = post[t, k] * f[t, d]
+    for j in range(hc):
+        acc += comb[t, j, k] * X[t, j, d]
+    out[t, k, d] = acc
+
+
+# ---- split kernels (decode: spread the 1.5 MB fn read over ~128 blocks) ------------------------
+# At T = 1 every one of these kernels is latency-bound, so loads are issued UNROLL (or HC) at a
+# time into registers before any is used, and stores come after all loads (the compiler cannot
+# move a load of X above a store to out_u: it does not know they never alias).
+@device.kernel
+def _hc_mix_split(part, X, fn, cb):
+    """Block (b, t): flattened columns [b * cb, (b+1) * cb) of x^ = flatten(X[t]) (stream-major).
+
+    x^ is staged in shared memory; warp w takes mix rows w, w + warps, ... and its lanes read
+    the row's cb fn values coalesced. Writes part[t, r * splits + b]: the partial dot of row r,
+    and for r = M the partial sum of x^2.
+    """
+    xs = cuda.shared.array(MAX_CB, np.float32)
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    b, t, splits = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x
+    hc, D = X.shape[1], X.shape[2]
+    C, M = hc * D, fn.shape[0]
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    c0 = b * cb
+    for e in range(tid, cb, nt):
+        c = c0 + e
+        xs[e] = X[t, c // D, c % D] if c < C else np.float32(0.0)
+    cuda.syncthreads()
+    vals = cuda.local.array(UNROLL, np.float32)
+    lane, w, nw = tid % 32, tid // 32, nt // 32
+    for r0 in range(0, M + 1, nw):  # the same trip count in every warp (warp_sum needs all)
+        r = r0 + w
+        rr = min(r, M - 1)  # row M (sum of squares) reads no fn: its loads are just unused
+        acc = np.float32(0.0)
+        for e0 in range(lane, cb, 32 * UNROLL):
+            for k in range(UNROLL):
+                vals[k] = fn[rr, min(c0 + e0 + 32 * k, C - 1)]
+            for k in range(UNROLL):
+                e = e0 + 32 * k
+                if e < cb and r <= M:
+                    acc += xs[e] * xs[e] if r == M else vals[k] * xs[e]
+        acc = warp_sum(acc, scratch)
+        if lane == 0 and r <= M:
+            part[t, r * splits + b] = acc
+
+
+@cuda.jit(device=True)
+def _gather_partials(mv, part, t, rows, splits, scratch):
+    """mv[r] = sum over splits of part[t, r * splits + b], r < rows: warp per row, lanes over
+    splits (coalesced). Every thread of the block must call it."""
+    vals = cuda.local.array(UNROLL, np.float32)
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    lane, w, nw = tid % 32, tid // 32, nt // 32
+    n = part.shape[1]
+    for r0 in range(0, rows, nw):
+        r = r0 + w
+        acc = np.float32(0.0)
+        for b0 in range(lane, splits, 32 * UNROLL):
+            for k in range(UNROLL):
+                vals[k] = part[t, min(min(r, rows - 1) * splits + b0 + 32 * k, n - 1)]
+            for k in range(UNROLL):
+                if b0 + 32 * k < splits and r < rows:
+                    acc += vals[k]
+        acc = warp_sum(acc, scratch)
+        if lane == 0 and r < rows:
+            mv[r] = acc
+    cuda.syncthreads()  # after this barrier no thread reads part[t] again
+
+
+@cuda.jit(device=True)
+def _collapse(out_u, X, pre, t, n):
+    """out_u[t, d] = sum_{s < n} pre[s] X[t, s, d] for this thread's d (block-strided);
+    with a literal n the loops unroll into UNROLL * n loads in flight."""
+    D = X.shape[2]
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    uk = cuda.local.array(UNROLL, np.float32)
+    for d0 in range(tid, D, nt * UNROLL):
+        for k in range(UNROLL):
+            d = min(d0 + k * nt, D - 1)
+            u = np.float32(0.0)
+            for s in range(n):
+                u += pre[s] * X[t, s, d]
+            uk[k] = u
+        for k in range(UNROLL):
+            if d0 + k * nt < D:
+                out_u[t, d0 + k * nt] = uk[k]
+
+
+@device.kernel
+def _hc_pre_finish(out_u, out_post, out_comb, X, base, scale, rms_eps, hc_eps, iters, splits):
+    """One block per token: gather the partials, post + Sinkhorn on one thread, then u."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    mv = cuda.shared.array(MAX_ROWS1, np.float32)
+    pre = cuda.shared.array(MAX_HC, np.float32)
+    t = cuda.blockIdx.x
+    hc, D = X.shape[1], X.shape[2]
+    M = (2 + hc) * hc
+    _gather_partials(mv, out_u, t, M + 1, splits, scratch)
+    rinv = np.float32(1.0 / math.sqrt(mv[M] / (hc * D) + rms_eps))
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    if tid < hc:
+        pre[tid] = _sigmoid(mv[tid] * rinv * scale[0] + base[tid]) + hc_eps
+    cuda.syncthreads()
+    if tid == nt - 1:  # the last warp has the least u work (D = 4096 = 4 x 1024 threads: none)
+        _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
+    if hc == 4:
+        _collapse(out_u, X, pre, t, 4)
+    else:
+        _collapse(out_u, X, pre, t, hc)
+
+
+@device.kernel
+def _hc_head_finish(out_u, X, base, scale, rms_eps, hc_eps, splits):
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    mv = cuda.shared.array(MAX_HC1, np.float32)
+    pre = cuda.shared.array(MAX_HC, np.float32)
+    t = cuda.blockIdx.x
+    hc, D = X.shape[1], X.shape[2]
+    _gather_partials(mv, out_u, t, hc + 1, splits, scratch)
+    rinv = np.float32(1.0 / math.sqrt(mv[hc] / (hc * D) + rms_eps))
+    tid = cuda.threadIdx.x
+    if tid < hc:
+        pre[tid] = _sigmoid(mv[tid] * rinv * scale[0] + base[tid]) + hc_eps
+    cuda.syncthreads()
+    if hc == 4:
+        _collapse(out_u, X, pre, t, 4)
+    else:
+        _collapse(out_u, X, pre, t, hc)
+
+
+@cuda.jit(device=True)
+def _post_column(out, f, X, pc, t, d, n):
+    """out[t, k, d] = post[k] f[t, d] + sum_j comb[j, k] X[t, j, d], k < n (pc = comb, post)."""
+    xv = cuda.local.array(MAX_HC, np.float32)
+    fv = f[t, d]
+    for j in range(n):
+        xv[j] = X[t, j, d]
+    for k in range(n):
+        acc = pc[n * n + k] * fv
+        for j in range(n):
+            acc += pc[j * n + k] * xv[j]
+        out[t, k, d] = acc
+
+
+@device.kernel
+def _hc_post_streams(out, f, X, post, comb):
+    """Thread per (t, d) computing all HC outputs from one read of the HC + 1 inputs; the
+    token's comb and post staged in shared memory."""
+    pc = cuda.shared.array(MAX_PC, np.float32)
+    T, hc, D = out.shape
+    t = cuda.blockIdx.y
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    if tid < hc * hc:
+        pc[tid] = comb[t, tid // hc, tid % hc]
+    elif tid < hc * hc + hc:
+        pc[tid] = post[t, tid - hc * hc]
+    cuda.syncthreads()
+    for d in range(cuda.blockIdx.x * nt + tid, D, cuda.gridDim.x * nt):
+        if hc == 4:
+            _post_column(out, f, X, pc, t, d, 4)
+        else:
+            _post_column(out, f, X, pc, t, d, hc)
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+def _split_plan(D: int, hc: int, rows: int):
+    """(cb, splits) for the mix: 128 columns per block where the partials of a token
+    ((rows + 1) * splits floats) fit in its out_u row, wider blocks where not; None: too small
+    a D to park them (the launcher then runs the naive kernel)."""
+    cb = 128
+    while cb <= MAX_CB:
+        splits = cdiv(hc * D, cb)
+        if (rows + 1) * splits <= D:
+            return cb, splits
+        cb *= 2
+    return None
+
+
+def _threads(threads, default):
+    nt = threads or default
+    assert nt % 32 == 0 and nt <= MAX_THREADS, "block size: a multiple of 32, at most 1024"
+    return nt
+
+
+def _mix(out_u, X, fn, rows, stream, threads):
+    """Launch the split mix; returns the split count, or None when D is too small for it."""
+    T, hc, D = X.shape
+    plan = _split_plan(D, hc, rows)
+    if plan is None:
+        return None
+    cb, splits = plan
+    nt = _threads(threads, min(MAX_THREADS, 32 * (rows + 1)))
+    _hc_mix_split[(splits, T), nt, stream](out_u, X, fn, cb)
+    return splits
+
+
+def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
+           threads=None, naive=False) -> None:
+    """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
+    base [M], scale [3], all float32 device arrays; out_u must not alias X."""
+    T, hc, D = X.shape
+    M = fn.shape[0]
+    assert hc <= MAX_HC and M == (2 + hc) * hc
+    eps = (np.float32(rms_eps), np.float32(hc_eps), int(iters))
+    splits = None if naive else _mix(out_u, X, fn, M, stream, threads)
+    if splits is None:
+        _hc_pre_naive[cdiv(T, 32), 32, stream](out_u, out_post, out_comb, X, fn, base, scale,
+                                               *eps)
+        return
+    nf = _threads(threads, min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32)))
+    _hc_pre_finish[T, nf, stream](out_u, out_post, out_comb, X, base, scale, *eps, splits)
+
+
+def hc_head(out_u, X, fn, base, scale, rms_eps, hc_eps, stream=0, threads=None,
+            naive=False) -> None:
+    """Launcher: out_u [T, D], X [T, HC, D], fn [HC, C], base [HC], scale [1] (float32)."""
+    T, hc, D = X.shape
+    assert hc <= MAX_HC and fn.shape[0] == hc
+    eps = (np.float32(rms_eps), np.float32(hc_eps))
+    splits = None if naive else _mix(out_u, X, fn, hc, stream, threads)
+    if splits is None:
+        _hc_head_naive[cdiv(T, 32), 32, stream](out_u, X, fn, base, scale, *eps)
+        return
+    nf = _threads(threads, min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32)))
+    _hc_head_finish[T, nf, stream](out_u, X, base, scale, *eps, splits)
+
+
+def hc_post(out, f, X, post, comb, stream=0, threads=None, naive=False) -> None:
+    """Launcher: out [T, HC, D] (not aliasing X), f [T, D], X [T, HC, D], post [T, HC],
+    comb [T, HC, HC] (float32)."""
+    T, hc, D = X.shape
+    assert hc <= MAX_HC
+    nt = _threads(threads, 256)
+    if naive:
+        _hc_post_naive[cdiv(T * hc * D, nt), nt, stream](out, f, X, post, comb)
+        return
+    assert nt >= hc * hc + hc
+    _hc_post_streams[(cdiv(D, nt), T), nt, stream](out, f, X, post, comb)
+
+
+# ---- CI lane B and the H200 benchmark -----------------------------------------------------------
+_F1, _F2, _F3 = "float32[::1]", "float32[:, ::1]", "float32[:, :, ::1]"
+_PRE_OUT = f"{_F2}, {_F2}, {_F3}"
+PTX_SIGNATURES = [
+    (_hc_pre_naive,
+     f"void({_PRE_OUT}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64)"),
+    (_hc_head_naive, f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32)"),
+    (_hc_post_naive, f"void({_F3}, {_F2}, {_F3}, {_F2}, {_F3})"),
+    (_hc_mix_split, f"void({_F2}, {_F3}, {_F2}, int64)"),
+    (_hc_pre_finish,
+     f"void({_PRE_OUT}, {_F3}, {_F1}, {_F1}, float32, float32, int64, int64)"),
+    (_hc_head_finish, f"void({_F2}, {_F3}, {_F1}, {_F1}, float32, float32, int64)"),
+    (_hc_post_streams, f"void({_F3}, {_F2}, {_F3}, {_F2}, {_F3})"),
+]
+
+
+def bench_cases(stream):
+    """V4-Flash decode: T = 1, HC = 4, D = 4096, fn 24 x 16384 float32 (head: 4 x 16384)."""
+    rng = np.random.default_rng(0)
+    T, hc, D = 1, 4, 4096
+    M, C = (2 + hc) * hc, hc * D
+
+    def dev(a):
+        return device.to_device(np.ascontiguousarray(a, np.float32), stream)
+
+    X = dev(rng.standard_normal((T, hc, D)))
+    fn, fnh = dev(rng.standard_normal((M, C)) * 0.01), dev(rng.standard_normal((hc, C)) * 0.01)
+    base, baseh = dev(rng.standard_normal(M)), dev(rng.standard_normal(hc))
+    scale, scaleh = dev(rng.uniform(0.5, 2, 3)), dev(rng.uniform(0.5, 2, 1))
+    u, post, comb = dev(np.zeros((T, D))), dev(np.zeros((T, hc))), dev(np.zeros((T, hc, hc)))
+    f, Xn = dev(rng.standard_normal((T, D))), dev(np.zeros((T, hc, D)))
+    x_bytes = T * C * 4
+    cases = []
+    for naive in (False, True):
+        sfx = " naive" if naive else ""
+        cases += [
+            BenchCase("hc", "hc_pre T=1 D=4096 fn 24x16384" + sfx,
+                      lambda nv=naive: hc_pre(u, post, comb, X, fn, base, scale, 1e-6, 1e-6, 20,
+                                              stream, naive=nv),
+                      bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T),
+            BenchCase("hc", "hc_head T=1 D=4096 fn 4x16384" + sfx,
+                      lambda nv=naive: hc_head(u, X, fnh, baseh, scaleh, 1e-6, 1e-6, stream,
+                                               naive=nv),
+                      bytes=hc * C * 4 + x_bytes + T * D * 4, flops=2 * hc * C * T),
+            BenchCase("hc", "hc_post T=1 D=4096" + sfx,
+                      lambda nv=naive: hc_post(Xn, f, X, post, comb, stream, naive=nv),
+                      bytes=2 * x_bytes + T * D * 4, flops=2 * (hc + 1) * C * T),
+        ]
+    return cases

@@ -1,0 +1,266 @@
+"""RMSNorm and RoPE kernels (spec §4.2 step 5, §4.4, §4.5, §4.9).
+
+Dimension letters: R rows (tokens, or tokens x heads for the per-head weightless q norm: callers
+view q[T, H, K] as [T*H, K]), n row length, T tokens, H heads, P = len(freqs) rotated pairs.
+
+- ``rmsnorm``: out = w * x / sqrt(mean(x^2) + eps) per row; ``use_weight=False`` is the
+  weightless norm (the launcher still takes a weight array: pass any float32 [n] dummy).
+- ``rope``: rotate the last 2P dims of every head in adjacent pairs (2i, 2i+1) by pos * omega_i,
+  the first n - 2P dims pass through; ``inverse`` rotates by -theta (attention output, §4.9).
+  The angle is formed in float64 inside the kernel: positions reach 1M and a float32 angle
+  pos * omega would be off by up to ~0.06 rad there. In place is allowed (``out is x``).
+  Also used with H = 1 (kv [T, 1, K]) and for compressed entries at positions r * j.
+
+Both ops have a naive kernel (one thread per row, all serial) kept as the readable baseline
+and a fast one: one block per row for the norm; a per-token cos/sin table in shared memory for
+RoPE, shared by all the heads a block rotates.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from .. import ops
+from ..numerics import rope_tables
+from . import device
+from .bench import BenchCase
+from .device import cdiv, warp_max, warp_sum
+
+MAX_THREADS = 1024
+MAX_PAIRS = 64  # rope dims <= 128: the shared cos/sin table size
+UNROLL = 4  # independent loads per thread before their first use
+
+
+class Dense:
+    """Adapter giving a plain array the ``Tensor.dense(dtype)`` interface pocketfm.ops expects."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+
+    def dense(self, dtype=np.float32):
+        return self.a.astype(dtype)
+
+
+# ---- block reduction shared by this package's kernels ------------------------------------------
+@cuda.jit(device=True)
+def block_sum_warps(v, scratch, wsum):
+    """Sum of ``v`` over the block, returned to every thread: warp sums, then one pass over the
+    per-warp partials (2 barriers instead of a tree's log2(blockDim)).
+
+    scratch: shared [blockDim] of v's dtype (only the simulator's warp_sum uses it); wsum: shared
+    [32] of v's dtype. Every thread must call it; blockDim must be a multiple of 32.
+    """
+    t = cuda.threadIdx.x
+    s = warp_sum(v, scratch)
+    if t % 32 == 0:
+        wsum[t // 32] = s
+    cuda.syncthreads()
+    tot = wsum[0]
+    for i in range(1, cuda.blockDim.x // 32):
+        tot += wsum[i]
+    cuda.syncthreads()
+    return tot
+
+
+@cuda.jit(device=True)
+def block_max_warps(v, scratch, wsum):
+    """Maximum of ``v`` over the block, returned to every thread (see block_sum_warps)."""
+    t = cuda.threadIdx.x
+    m = warp_max(v, scratch)
+    if t % 32 == 0:
+        wsum[t // 32] = m
+    cuda.syncthreads()
+    tot = wsum[0]
+    for i in range(1, cuda.blockDim.x // 32):
+        tot = max(tot, wsum[i])
+    cuda.syncthreads()
+    return tot
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------------
+def rmsnorm_ref(out, x, w, eps: float, use_weight: bool) -> None:
+    """out[R, n] = x / sqrt(mean(x^2) + eps) (* w[n] when use_weight), via pocketfm.ops."""
+    ops.rmsnorm(out, x, Dense(w) if use_weight else None, eps)
+
+
+@device.kernel
+def _rmsnorm_naive(out, x, w, eps, use_weight):
+    """One thread per row: sum of squares, then the scaled copy."""
+    r = cuda.grid(1)
+    if r >= x.shape[0]:
+        return
+    n = x.shape[1]
+    ss = 0.0
+    for i in range(n):
+        ss += x[r, i] * x[r, i]
+    inv = 1.0 / math.sqrt(ss / n + eps)
+    for i in range(n):
+        v = x[r, i] * inv
+        out[r, i] = v * w[i] if use_weight else v
+
+
+@device.kernel
+def _rmsnorm_block_rows(out, x, w, eps, use_weight):
+    """One block per row (grid-stride over rows): coalesced loads, UNROLL in flight per thread
+    (a single row is latency-bound), one block sum."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    wsum = cuda.shared.array(32, np.float32)
+    vals = cuda.local.array(UNROLL, np.float32)
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
+    n = x.shape[1]
+    for r in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+        ss = np.float32(0.0)
+        for i0 in range(t, n, nt * UNROLL):
+            for k in range(UNROLL):
+                vals[k] = x[r, min(i0 + k * nt, n - 1)]
+            for k in range(UNROLL):
+                if i0 + k * nt < n:
+                    ss += vals[k] * vals[k]
+        tot = block_sum_warps(ss, scratch, wsum)
+        # every read of row r happened before the block sum's barrier: in place is safe
+        inv = np.float32(1.0 / math.sqrt(tot / n + eps))
+        for i0 in range(t, n, nt * UNROLL):
+            for k in range(UNROLL):
+                i = min(i0 + k * nt, n - 1)
+                vals[k] = x[r, i] * inv * (w[i] if use_weight else np.float32(1.0))
+            for k in range(UNROLL):
+                if i0 + k * nt < n:
+                    out[r, i0 + k * nt] = vals[k]
+
+
+def rmsnorm(out, x, w, eps: float, use_weight: bool, stream=0, threads=None,
+            naive: bool = False) -> None:
+    """Launcher: device arrays out[R, n], x[R, n], w[n] float32 (a dummy when not use_weight)."""
+    R, n = x.shape
+    eps = np.float32(eps)
+    if naive:
+        nt = threads or 128
+        _rmsnorm_naive[cdiv(R, nt), nt, stream](out, x, w, eps, bool(use_weight))
+        return
+    nt = threads or min(MAX_THREADS, max(32, 32 * cdiv(n // UNROLL, 32)))
+    assert nt % 32 == 0 and nt <= MAX_THREADS
+    _rmsnorm_block_rows[min(R, 65535), nt, stream](out, x, w, eps, bool(use_weight))
+
+
+# ---- RoPE ----------------------------------------------------------------------------------------
+def rope_ref(out, x, pos, freqs, inverse: bool) -> None:
+    """out[T, H, n] = x with the last 2P dims rotated at pos[T] * freqs[P] (float64 tables)."""
+    cos, sin = rope_tables(np.asarray(freqs, np.float64), np.asarray(pos))
+    ops.rope(out, x, cos, sin, inverse)
+
+
+@device.kernel
+def _rope_naive(out, x, pos, freqs, inverse):
+    """One thread per (token, head) row: copy the head dims, rotate the tail pairs."""
+    T, H, n = x.shape
+    row = cuda.grid(1)
+    if row >= T * H:
+        return
+    t, h = row // H, row % H
+    P = freqs.shape[0]
+    nope = n - 2 * P
+    for i in range(nope):
+        out[t, h, i] = x[t, h, i]
+    p = float(pos[t])
+    for k in range(P):
+        ang = p * freqs[k]  # float64: exact enough at 1M positions
+        c, s = math.cos(ang), math.sin(ang)
+        if inverse:
+            s = -s
+        x0, x1 = x[t, h, nope + 2 * k], x[t, h, nope + 2 * k + 1]
+        out[t, h, nope + 2 * k] = x0 * c - x1 * s
+        out[t, h, nope + 2 * k + 1] = x0 * s + x1 * c
+
+
+@device.kernel
+def _rope_shared_table(out, x, pos, freqs, inverse, copy_nope, heads_per_block):
+    """Block (token t, head group): cos/sin of the P angles computed once into shared memory
+    (float64 angle, float32 table), then every head of the group rotated from that table."""
+    cs = cuda.shared.array(MAX_PAIRS, np.float32)
+    sn = cuda.shared.array(MAX_PAIRS, np.float32)
+    T, H, n = x.shape
+    P = freqs.shape[0]
+    nope = n - 2 * P
+    t = cuda.blockIdx.x
+    h0 = cuda.blockIdx.y * heads_per_block
+    nh = min(heads_per_block, H - h0)
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    for k in range(tid, P, nt):
+        ang = float(pos[t]) * freqs[k]
+        cs[k] = math.cos(ang)
+        sn[k] = -math.sin(ang) if inverse else math.sin(ang)
+    cuda.syncthreads()
+    for e in range(tid, nh * P, nt):  # one pair per step, consecutive threads on adjacent pairs
+        h, k = h0 + e // P, e % P
+        i = nope + 2 * k
+        x0, x1 = x[t, h, i], x[t, h, i + 1]
+        out[t, h, i] = x0 * cs[k] - x1 * sn[k]
+        out[t, h, i + 1] = x0 * sn[k] + x1 * cs[k]
+    if copy_nope:  # skipped in place: those dims already hold the right values
+        for e in range(tid, nh * nope, nt):
+            h, i = h0 + e // nope, e % nope
+            out[t, h, i] = x[t, h, i]
+
+
+def rope(out, x, pos, freqs, inverse: bool, stream=0, threads=None, naive: bool = False,
+         heads_per_block: int = 8) -> None:
+    """Launcher: out/x [T, H, n] float32 (may be the same array), pos [T] int32, freqs [P]
+    float64 (pocketfm.numerics.rope_frequencies)."""
+    T, H, n = x.shape
+    P = freqs.shape[0]
+    assert 2 * P <= n and P <= MAX_PAIRS
+    if naive:
+        nt = threads or 128
+        _rope_naive[cdiv(T * H, nt), nt, stream](out, x, pos, freqs, bool(inverse))
+        return
+    hb = max(1, min(H, heads_per_block))
+    nt = threads or min(256, 32 * cdiv(hb * P, 32))
+    _rope_shared_table[(T, cdiv(H, hb)), nt, stream](out, x, pos, freqs, bool(inverse),
+                                                      out is not x, hb)
+
+
+# ---- CI lane B and the H200 benchmark -----------------------------------------------------------
+_RMS_SIG = "void(float32[:, ::1], float32[:, ::1], float32[::1], float32, boolean)"
+_ROPE_SIG = "float32[:, :, ::1], float32[:, :, ::1], int32[::1], float64[::1], boolean"
+PTX_SIGNATURES = [
+    (_rmsnorm_naive, _RMS_SIG),
+    (_rmsnorm_block_rows, _RMS_SIG),
+    (_rope_naive, f"void({_ROPE_SIG})"),
+    (_rope_shared_table, f"void({_ROPE_SIG}, boolean, int64)"),
+]
+
+
+def bench_cases(stream):
+    """V4-Flash shapes: attn_norm (D = 4096, T = 1), the per-head q norm 64 x 512, RoPE on
+    q [1, 64, 512] and kv [1, 1, 512] in place (64 rope dims of 512)."""
+    from ..numerics import rope_frequencies
+
+    rng = np.random.default_rng(0)
+
+    def dev(a):
+        return device.to_device(np.ascontiguousarray(a), stream)
+
+    cases = []
+    for name, R, n, wt in (("rmsnorm attn_norm 1x4096", 1, 4096, True),
+                           ("rmsnorm q per-head 64x512", 64, 512, False)):
+        x = dev(rng.standard_normal((R, n), dtype=np.float32))
+        w = dev(rng.standard_normal(n, dtype=np.float32))
+        o = device.device_empty((R, n), np.float32, stream)
+        for naive in (False, True):
+            cases.append(BenchCase(
+                "norm_rope", name + (" naive" if naive else ""),
+                lambda o=o, x=x, w=w, wt=wt, nv=naive: rmsnorm(o, x, w, 1e-6, wt, stream,
+                                                               naive=nv),
+                bytes=2 * R * n * 4 + (n * 4 if wt else 0), flops=4 * R * n))
+    freqs = dev(rope_frequencies(64, 160000.0, 16.0, 65536))
+    pos = dev(np.array([1_000_000], np.int32))
+    for name, H in (("rope q [1,64,512] in place", 64), ("rope kv [1,1,512] in place", 1)):
+        x = dev(rng.standard_normal((1, H, 512), dtype=np.float32))
+        for naive in (False, True):
+            cases.append(BenchCase(
+                "norm_rope", name + (" naive" if naive else ""),
+                lambda x=x, nv=naive: rope(x, x, pos, freqs, False, stream, naive=nv),
+                bytes=2 * H * 64 * 4, flops=6 * H * 32))
+    return cases

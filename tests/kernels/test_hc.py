@@ -1,0 +1,78 @@
+"""Hyper-connection kernels vs pocketfm.ops (simulator in CI, real GPU on the H200)."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from pocketfm.kernels import hc
+
+from .kernel_testing import THREADS, fresh_rng, poisoned, rel_err
+
+
+def _inputs(rng, T, HC, D, M, n_scale):
+    X = rng.standard_normal((T, HC, D)).astype(np.float32)
+    fn = (rng.standard_normal((M, HC * D)) * 0.1).astype(np.float32)
+    base = rng.standard_normal(M).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, n_scale).astype(np.float32)
+    return X, fn, base, scale
+
+
+def _f64(*arrays):
+    return [a.astype(np.float64) for a in arrays]
+
+
+@pytest.mark.parametrize("naive,HC", [(False, 4), (True, 4), (False, 3)])
+def test_hc_pre(naive, HC):
+    rng = fresh_rng()
+    T, D, M = 2, 64, (2 + HC) * HC
+    X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, *_f64(X, fn, base, scale), 1e-6, 1e-6, 20)
+    u, post, comb = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC))
+    hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+              threads=THREADS, naive=naive)
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+    assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
+    assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
+def test_hc_pre_tiny_hidden_falls_back():
+    """D too small to park the partials in out_u: the launcher runs the naive kernel."""
+    rng = fresh_rng()
+    T, HC, D = 1, 2, 8
+    M = (2 + HC) * HC
+    X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, *_f64(X, fn, base, scale), 1e-6, 1e-6, 3)
+    u, post, comb = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC))
+    hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 3,
+              threads=THREADS)
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+    assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_hc_head(naive):
+    rng = fresh_rng()
+    T, HC, D = 2, 4, 64
+    X, fn, base, scale = _inputs(rng, T, HC, D, HC, 1)
+    ref = np.empty((T, D))
+    hc.hc_head_ref(ref, *_f64(X, fn, base, scale), 1e-6, 1e-6)
+    u = poisoned((T, D))
+    hc.hc_head(u, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, threads=THREADS,
+               naive=naive)
+    assert rel_err(u.copy_to_host(), ref) <= 1e-4
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_hc_post(naive):
+    rng = fresh_rng()
+    T, HC, D = 2, 4, 40  # D not a multiple of the block
+    f = rng.standard_normal((T, D)).astype(np.float32)
+    X = rng.standard_normal((T, HC, D)).astype(np.float32)
+    post = rng.uniform(0, 2, (T, HC)).astype(np.float32)
+    comb = rng.uniform(0, 1, (T, HC, HC)).astype(np.float32)
+    ref = np.empty((T, HC, D))
+    hc.hc_post_ref(ref, *_f64(f, X, post, comb))
+    out = poisoned((T, HC, D))
+    hc.hc_post(out, *map(cuda.to_device, (f, X, post, comb)), threads=THREADS, naive=naive)
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
