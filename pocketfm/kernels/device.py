@@ -146,3 +146,41 @@ def device_empty(shape, dtype, stream=0):
 def gpu_available() -> bool:
     """True on a real CUDA device (never in the simulator)."""
     return not SIMULATOR and cuda.is_available()
+
+
+def capture_graph(launches, stream):
+    """Capture ``launches`` (zero-argument callables launching on ``stream``) as one CUDA graph;
+    returns a zero-argument ``replay`` (gpu_notes §7: ~1.2 µs per kernel on replay instead of
+    20-120 µs per Python launch).
+
+    Each launch runs once first so that compilation, module load and any lazy allocation happen
+    outside the capture. The graph holds raw device pointers, so ``replay`` keeps the launch
+    callables — and through them every array they use — alive for as long as it lives.
+    """
+    from cuda.bindings import driver as drv
+
+    def ok(result):
+        if result[0] != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA graph capture failed: {result[0]}")
+        return result[1] if len(result) > 1 else None
+
+    launches = list(launches)
+    for launch in dict.fromkeys(launches):  # warm each distinct callable once
+        launch()
+    stream.synchronize()
+    h = stream.handle
+    cs = drv.CUstream(h.value if hasattr(h, "value") else int(h))
+    ok(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    try:
+        for launch in launches:
+            launch()
+    finally:
+        graph = ok(drv.cuStreamEndCapture(cs))
+    exe = ok(drv.cuGraphInstantiate(graph, 0))
+
+    def replay():
+        ok(drv.cuGraphLaunch(exe, cs))
+
+    replay.launches = launches  # keep every captured array alive with the graph
+    replay.graph = (graph, exe)
+    return replay

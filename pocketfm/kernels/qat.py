@@ -28,7 +28,7 @@ from .. import ops
 from ..numerics import fp4_roundtrip, hadamard_matrix
 from . import device
 from .bench import BenchCase
-from .device import cdiv, device_fn
+from .device import capture_graph, cdiv, device_fn
 from .kvpack import (bf16_decode, e2m1_decode, e4m3_decode, index_key_bytes, kv_entry_bytes,
                      pack_index_key_ref, pack_kv_ref, ue8m0_decode, unpack_kv_ref)
 
@@ -546,27 +546,9 @@ GRAPH_REPS = 20  # launches per timed graph replay
 
 
 def repeat_graph(launch, stream, n: int = GRAPH_REPS):
-    """A callable replaying ``n`` launches captured as one CUDA graph (gpu_notes §7): these
-    kernels run for a few µs, far below one Python launch (20-120 µs with their arguments)."""
-    from cuda.bindings import driver as drv
-
-    def ok(r):
-        assert r[0] == drv.CUresult.CUDA_SUCCESS, r[0]
-        return r[1] if len(r) > 1 else None
-
-    h = stream.handle
-    cs = drv.CUstream(h.value if hasattr(h, "value") else int(h))
-    launch()  # compile, load and allocate before capture
-    stream.synchronize()
-    ok(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-    for _ in range(n):
-        launch()
-    exe = ok(drv.cuGraphInstantiate(ok(drv.cuStreamEndCapture(cs)), 0))
-
-    def replay():
-        ok(drv.cuGraphLaunch(exe, cs))
-    replay.launch = launch  # the graph holds raw pointers: keep launch's arrays alive with it
-    return replay
+    """``n`` launches of ``launch`` as one CUDA graph: these kernels run for a few µs, far
+    below one Python launch (20-120 µs with their arguments)."""
+    return capture_graph([launch] * n, stream)
 
 
 def bench_cases(stream) -> list[BenchCase]:

@@ -1,0 +1,570 @@
+"""Sink attention over packed KV entries on the GPU (spec §4.9, §6.3).
+
+    attention_decode  out[H, K] <- q[H, K] over the window entries j < n_window plus the
+                      compressed entries sel[S] (CSA; -1 = none) or all j < n_comp_visible (HCA)
+    attention_chunk   out[T, H, K] <- q[T, H, K] over keys_packed[M] where mask[T, M] is set
+
+Every key is its own value (K = V) and is read in the packed KV format of kvpack.py (V4:
+584 B = 448 FP8 codes + 64 bf16 rope dims + 7 ue8m0 scales). Per head, with the learned sink
+z_h only in the denominator:  p = exp(s - m) / (exp(z_h - m) + Σ exp(s' - m)),  o = Σ p · k.
+Counts and selections are device arrays, so a captured graph reads the current step's values.
+
+Decode is flash-decoding: all H heads share each key, so a block decodes a tile of KC keys
+once into shared memory and its warps (HPW heads each, q and the output held in registers,
+each lane owning K/32 of the dims; K a multiple of 128) score and accumulate them with an
+online softmax (the naive kernels take any K with K - R a multiple of 64). Blocks
+split the key slots (grid x) and own head groups (grid y); a second kernel merges the splits'
+(max, sum, accumulator) partials with the sink. Letters: H heads, K head dim, R rope dims,
+W window slots, S selected slots, N compressed entries, M keys, T tokens, P splits.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32, uint64
+
+from .. import ops
+from . import device, kvpack
+from .bench import BenchCase
+from .device import cdiv
+
+HPW = 2  # heads per warp: a lane holds q and the accumulator of HPW heads x K/32 dims
+DPL = 16  # dims per lane at most (K <= 512)
+KC = 16  # keys per shared-memory tile; HPW·KC = 32 (score s[hh, kk] is summed onto lane hh·KC+kk)
+HPWDPL = HPW * DPL  # (literals for cuda.local.array)
+MAX_SPLITS = 64  # each split writes a whole H x K partial: more cost more than they gain
+_ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
+assert HPW * KC == 32
+
+
+def _inline(fn):
+    """A device helper inlined at Numba-IR level (plain device functions need a driver to
+    compile, which CI lane B does not have)."""
+    return cuda.jit(device=True, inline="always")(getattr(fn, "py_func", fn))
+
+
+_bf16 = _inline(kvpack.bf16_decode)
+
+
+@_inline
+def _fp8_scaled(b, sexp):
+    """e4m3fn byte ``b`` times 2**(sexp - 127) (the ue8m0 block scale), as one ldexp."""
+    b = int(b)
+    e = (b >> 3) & 15
+    m = b & 7
+    if e == 0:
+        v = float32(math.ldexp(float32(m), int(sexp) - 136))  # (m/8)·2**-6, subnormal
+    else:
+        v = float32(math.ldexp(float32(8 + m), e + int(sexp) - 137))  # (1 + m/8)·2**(e-7)
+    return -v if b & 128 else v
+
+
+@_inline
+def _kv_elem(packed, row, d, nope, R):
+    """Dim d of packed KV entry ``row`` (uint8 rows): FP8 x block scale, or a bf16 rope dim."""
+    if d < nope:
+        return _fp8_scaled(packed[row, d], packed[row, nope + 2 * R + d // 64])
+    o = nope + 2 * (d - nope)
+    return float32(_bf16(packed[row, o], packed[row, o + 1]))
+
+
+def rope_dim_of(K: int, entry_bytes: int) -> int:
+    """The rope dims R of a packed entry of width ``entry_bytes`` for head dim K: the one R
+    (K - R a multiple of 64) with kvpack.kv_entry_bytes(K, R) == entry_bytes (V4: 584 -> 64)."""
+    for R in range(K % 64, K + 1, 64):
+        if kvpack.kv_entry_bytes(K, R) == entry_bytes:
+            return R
+    raise ValueError(f"no KV entry layout of {entry_bytes} bytes for head dim {K}")
+
+
+# ---- NumPy references (the spec) --------------------------------------------------------------
+def _unpack(packed, rows, K, R):
+    kv = np.empty((len(rows), K), np.float32)
+    kvpack.unpack_kv_ref(kv, np.asarray(packed)[rows], R)
+    return kv
+
+
+def attention_decode_ref(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
+                         all_visible, sinks, scale) -> None:
+    """out[H, K] <- q[H, K]; window_packed[W, bytes], comp_packed[Ncap, bytes] uint8 entries;
+    n_window[1], sel[S] (-1 = none), n_comp_visible[1] int32; sinks[H]. CSA reads the rows in
+    ``sel``, HCA (``all_visible``) every row < n_comp_visible: ops.sink_attention on them."""
+    K = q.shape[1]
+    R = rope_dim_of(K, window_packed.shape[1])
+    sel = np.asarray(sel)
+    comp = np.arange(int(n_comp_visible[0])) if all_visible else sel[sel >= 0]
+    kv = np.concatenate([_unpack(window_packed, np.arange(int(n_window[0])), K, R),
+                         _unpack(comp_packed, comp, K, R)]).astype(out.dtype)
+    ops.sink_attention(out[None], q[None], kv, np.ones((1, len(kv)), bool), sinks, scale)
+
+
+def attention_chunk_ref(out, q, keys_packed, mask, sinks, scale) -> None:
+    """out[T, H, K] <- q[T, H, K], keys_packed[M, bytes] uint8, mask[T, M] uint8 (nonzero =
+    query t attends key m), sinks[H]: ops.sink_attention on the unpacked keys."""
+    K = q.shape[2]
+    kv = _unpack(keys_packed, np.arange(len(keys_packed)), K, rope_dim_of(K, keys_packed.shape[1]))
+    ops.sink_attention(out, q, kv.astype(out.dtype), np.asarray(mask) != 0, sinks, scale)
+
+
+# ---- naive kernels: one thread per (token, head), keys decoded where they are used ------------
+@_inline
+def _attend(orow, qrow, packed, row, nope, R, scale, m, l):
+    """Online-softmax step for one key: orow[K] (the running Σ p·k) and (max m, sum l)."""
+    K = qrow.shape[0]
+    s = float32(0.0)
+    for d in range(K):
+        s += qrow[d] * _kv_elem(packed, row, d, nope, R)
+    s *= scale
+    mn = max(m, s)
+    alpha = float32(math.exp(m - mn))  # m = -inf (no key yet): 0
+    e = float32(math.exp(s - mn))
+    for d in range(K):
+        orow[d] = orow[d] * alpha + e * _kv_elem(packed, row, d, nope, R)
+    return mn, l * alpha + e
+
+
+@_inline
+def _finish(orow, m, l, sink):
+    """orow /= the softmax denominator with the sink: exp(z - M) + l·exp(m - M)."""
+    M = max(m, sink)
+    a = float32(math.exp(m - M))
+    inv = float32(1.0) / (l * a + float32(math.exp(sink - M)))
+    for d in range(orow.shape[0]):
+        orow[d] = orow[d] * a * inv
+
+
+@device.kernel
+def _attention_decode_naive(out, q, win, n_window, comp, sel, n_comp, all_visible, sinks,
+                            scale, R):
+    """out[H, K] as the running accumulator, one thread per head."""
+    H, K = q.shape
+    h = cuda.grid(1)
+    if h >= H:
+        return
+    orow = out[h]
+    for d in range(K):
+        orow[d] = float32(0.0)
+    m = float32(-math.inf)
+    l = float32(0.0)
+    for r in range(min(int(n_window[0]), win.shape[0])):
+        m, l = _attend(orow, q[h], win, r, K - R, R, scale, m, l)
+    ns = min(int(n_comp[0]), comp.shape[0]) if all_visible else sel.shape[0]
+    for i in range(ns):
+        j = i if all_visible else int(sel[i])
+        if j >= 0 and j < comp.shape[0]:
+            m, l = _attend(orow, q[h], comp, j, K - R, R, scale, m, l)
+    _finish(orow, m, l, sinks[h])
+
+
+@device.kernel
+def _attention_chunk_naive(out, q, keys, mask, sinks, scale, R):
+    """out[T, H, K] as the running accumulator, one thread per (token, head)."""
+    T, H, K = q.shape
+    for i in range(cuda.grid(1), T * H, cuda.gridsize(1)):
+        t = i // H
+        h = i - t * H
+        orow = out[t, h]
+        for d in range(K):
+            orow[d] = float32(0.0)
+        m = float32(-math.inf)
+        l = float32(0.0)
+        for r in range(keys.shape[0]):
+            if mask[t, r] != 0:
+                m, l = _attend(orow, q[t, h], keys, r, K - R, R, scale, m, l)
+        _finish(orow, m, l, sinks[h])
+
+
+# ---- decode: split-K over shared-memory key tiles ---------------------------------------------
+if device.SIMULATOR:
+    @_inline
+    def _lane_sums(v, lane, scratch):
+        """Lane l <- Σ over the warp's lanes of v[l] (v: 32 values per lane). Simulator (no
+        shuffles): a [32][33] shared-memory transpose; every thread of the block calls it."""
+        for i in range(32):
+            scratch[i * 33 + lane] = v[i]
+        cuda.syncthreads()
+        s = float32(0.0)
+        for x in range(32):
+            s += scratch[lane * 33 + x]
+        cuda.syncthreads()
+        return s
+else:
+    @_inline
+    def _half_swap(v, lane, off):
+        """Butterfly step: keep the half of v[0:2·off] that this lane's bit ``off`` selects,
+        plus the partner lane's copy of that half."""
+        up = (lane & off) != 0
+        for i in range(off):
+            send = v[i] if up else v[i + off]
+            keep = v[i + off] if up else v[i]
+            v[i] = keep + cuda.shfl_xor_sync(0xFFFFFFFF, send, off)
+
+    @_inline
+    def _lane_sums(v, lane, scratch):
+        """Lane l <- Σ over the warp's lanes of v[l]: a reduce-scatter butterfly, 31 shuffles
+        for all 32 sums (separate warp reductions would take 160)."""
+        _half_swap(v, lane, 16)
+        _half_swap(v, lane, 8)
+        _half_swap(v, lane, 4)
+        _half_swap(v, lane, 2)
+        _half_swap(v, lane, 1)
+        return v[0]
+
+
+@_inline
+def _dim(i, lane):
+    """The head dim of a lane's i-th value: 4 consecutive dims in every 128, so one 128-bit
+    shared load per lane covers 512 contiguous bytes across the warp (4 wavefronts, no bank
+    conflict; a contiguous K/32 run per lane would put 16 lanes on the same 4 banks)."""
+    return (i >> 2) * 128 + lane * 4 + (i & 3)
+
+
+@_inline
+def _fetch(win, comp, kcode, it, KW, NOPE, R):
+    """(packed word, word holding its FP8 block's scale) of decode item ``it`` of a tile:
+    word it % KW of the tile's key it // KW. Branch-free (clamped to a valid row and item), so
+    several fetches issue back to back; _put skips the clamped ones."""
+    itc = min(it, KC * KW - 1)
+    kk = itc // KW
+    wd = itc - kk * KW
+    code = max(kcode[kk], 0)
+    src = comp if code & 1 else win
+    sb = NOPE + 2 * R + min(wd, NOPE // 4 - 1) // 16  # scale byte of dims 4wd.. (64 a block)
+    return int(src[code >> 1, wd]), int(src[code >> 1, sb // 4]) >> (8 * (sb % 4))
+
+
+@_inline
+def _put(smem, smem_u, kcode, it, word, sword, K, KW, NOPE):
+    """Decode item ``it`` (see _fetch) into the tile ks[kk][K] in shared memory."""
+    if it >= KC * KW:
+        return
+    kk = it // KW
+    wd = it - kk * KW
+    nfp8 = NOPE // 4
+    # uint64 offsets: the 4 (or 2) stores below merge into one 128-bit (64-bit) shared store
+    o = uint64(kk * K + (4 * wd if wd < nfp8 else NOPE + 2 * (wd - nfp8)))
+    if kcode[kk] < 0:  # no key in this slot: zeros (the score is masked to -inf anyway)
+        smem_u[o] = 0
+        smem_u[o + uint64(1)] = 0
+        if wd < nfp8:
+            smem_u[o + uint64(2)] = 0
+            smem_u[o + uint64(3)] = 0
+    elif wd < nfp8:
+        # e4m3 = mant · 2**-10 with mant = (8 + m) << e (e > 0) or 2m (subnormal): exact in
+        # float32, then one multiply by the block scale 2**(s - 127)
+        c = float32(math.ldexp(float32(1.0), (sword & 255) - 137))
+        for e in range(4):
+            b = (word >> (8 * e)) & 255
+            ex = (b >> 3) & 15
+            mant = ((8 + (b & 7)) << ex) if ex > 0 else ((b & 7) << 1)
+            val = float32(mant) * c
+            smem[o + uint64(e)] = -val if b & 128 else val
+    else:  # bf16 -> float32 is the bf16 bits in the high half: move the bits
+        smem_u[o] = (word & 0xFFFF) << 16
+        smem_u[o + uint64(1)] = word & 0xFFFF0000
+
+
+@_inline
+def _scores4(smem, kb, qr, kv, v, k0, K, ND):
+    """v[hh·KC + kk] = this lane's part of q_hh · key kk, for kk = k0 .. k0+3 (its ND dims)."""
+    for u in range(4):
+        b = kb + uint64((k0 + u) * K)
+        for i in range(DPL):
+            kv[i] = smem[b + uint64(_dim(i, 0))] if i < ND else float32(0.0)
+        for hh in range(HPW):
+            s = float32(0.0)
+            for i in range(DPL):
+                s += qr[hh * DPL + i] * kv[i]
+            v[hh * KC + k0 + u] = s
+
+
+_SPLITS: dict = {}
+
+
+def _split_kernel(K: int, R: int, NT: int):
+    """The split kernel compiled for head dim K, R rope dims and NT threads a block (closure
+    constants: literal shared-memory offsets, unrolled lane loops, 128-bit shared loads)."""
+    key = (K, R, NT)
+    if key in _SPLITS:
+        return _SPLITS[key]
+    if K % 128 or K > 32 * DPL or (K - R) % 64 or R % 2 or NT % 32:
+        raise ValueError(f"attention_decode: no layout for K={K}, R={R}, threads={NT}")
+    ND = K // 32  # dims per lane: see _dim
+    NOPE = K - R
+    NFP8 = NOPE // 4  # words of FP8 codes, then R/2 words of bf16 pairs, then the scales
+    KW = NFP8 + R // 2
+    NWARP = NT // 32
+    SC = KC * K  # per warp: its 32 scores s[hh·KC + kk]
+    XS = SC + NWARP * 32  # (simulator only) per warp: the [32][33] transpose scratch
+
+    @device.kernel
+    def _attention_decode_split_tiles(part, q, win, n_window, comp, sel, n_comp, all_visible,
+                                      scale):
+        """part[P, H, K+2] <- (Σ p·k, max, sum) of split blockIdx.x for head group blockIdx.y.
+
+        win[W, words], comp[Ncap, words]: the packed entries as uint32 words. Key slot m < W
+        is window row m (valid below n_window); slot W+i is comp row sel[i] (CSA) or i (HCA).
+        Warp w owns heads h0 .. h0+HPW-1, lane l their dims _dim(i, l). Per tile of KC slots:
+        decode into shared memory; scores (lane partials over its dims, summed across lanes by
+        _lane_sums); online softmax.
+        """
+        smem = cuda.shared.array(0, float32, alignment=_ALIGN)
+        smem_u = cuda.shared.array(0, uint32, alignment=_ALIGN)  # same bytes: bf16 bit moves
+        kcode = cuda.shared.array(KC, int32)  # 2·row (window), 2·row + 1 (compressed), -1
+        H = q.shape[0]
+        W = win.shape[0]
+        ncap = comp.shape[0]
+        P = part.shape[0]
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        wid = tid >> 5
+        h0 = cuda.blockIdx.y * (NWARP * HPW) + wid * HPW
+        qr = cuda.local.array(HPWDPL, float32)
+        acc = cuda.local.array(HPWDPL, float32)
+        kv = cuda.local.array(DPL, float32)
+        v = cuda.local.array(32, float32)
+        mr = cuda.local.array(HPW, float32)
+        lr = cuda.local.array(HPW, float32)
+        zero = float32(0.0)
+        for hh in range(HPW):
+            h = h0 + hh
+            mr[hh] = -math.inf
+            lr[hh] = zero
+            for i in range(DPL):
+                ok = h < H and i < ND
+                qr[hh * DPL + i] = q[h, _dim(i, lane)] * scale if ok else zero
+                acc[hh * DPL + i] = zero
+        nwin = min(int(n_window[0]), W)
+        slots = ncap if all_visible else sel.shape[0]
+        per = ((W + slots + P - 1) // P + KC - 1) // KC * KC  # whole tiles per split
+        s0 = cuda.blockIdx.x * per
+        s1 = min(s0 + per, W + (min(int(n_comp[0]), ncap) if all_visible else slots))
+        for t0 in range(s0, s1, KC):
+            if tid < KC:
+                m = t0 + tid
+                code = -1
+                if m < s1:
+                    if m < W:
+                        code = 2 * m if m < nwin else -1
+                    elif all_visible:
+                        code = 2 * (m - W) + 1
+                    else:
+                        j = int(sel[m - W])
+                        code = 2 * j + 1 if j >= 0 and j < ncap else -1
+                kcode[tid] = code
+            cuda.syncthreads()
+            # decode the tile, one packed word (4 FP8 codes or 2 bf16 dims) per item; each
+            # thread fetches four items before decoding any (four L2 round trips overlap)
+            for it in range(tid, KC * KW, 4 * NT):
+                w0, x0 = _fetch(win, comp, kcode, it, KW, NOPE, R)
+                w1, x1 = _fetch(win, comp, kcode, it + NT, KW, NOPE, R)
+                w2, x2 = _fetch(win, comp, kcode, it + 2 * NT, KW, NOPE, R)
+                w3, x3 = _fetch(win, comp, kcode, it + 3 * NT, KW, NOPE, R)
+                _put(smem, smem_u, kcode, it, w0, x0, K, KW, NOPE)
+                _put(smem, smem_u, kcode, it + NT, w1, x1, K, KW, NOPE)
+                _put(smem, smem_u, kcode, it + 2 * NT, w2, x2, K, KW, NOPE)
+                _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE)
+            cuda.syncthreads()
+            live = 0
+            for kk in range(KC):
+                live += 1 if kcode[kk] >= 0 else 0
+            if live == 0:  # block-uniform: nothing valid in this tile
+                cuda.syncthreads()
+                continue
+            kb = uint64(lane * 4)
+            _scores4(smem, kb, qr, kv, v, 0, K, ND)  # four calls: v's indices stay literal
+            _scores4(smem, kb, qr, kv, v, 4, K, ND)
+            _scores4(smem, kb, qr, kv, v, 8, K, ND)
+            _scores4(smem, kb, qr, kv, v, 12, K, ND)
+            s = _lane_sums(v, lane, smem[XS + wid * 32 * 33:])
+            smem[SC + wid * 32 + lane] = s if kcode[lane % KC] >= 0 else -math.inf
+            cuda.syncthreads()
+            for hh in range(HPW):  # online softmax: rescale by the new running max
+                mt = mr[hh]
+                for kk in range(KC):
+                    mt = max(mt, smem[SC + wid * 32 + hh * KC + kk])
+                alpha = float32(math.exp(mr[hh] - mt))  # first live tile: exp(-inf) = 0
+                for i in range(DPL):
+                    acc[hh * DPL + i] *= alpha
+                lr[hh] *= alpha
+                mr[hh] = mt
+            for kk in range(KC):
+                kb = uint64(kk * K + lane * 4)
+                for i in range(DPL):
+                    kv[i] = smem[kb + uint64(_dim(i, 0))] if i < ND else zero
+                for hh in range(HPW):
+                    pv = float32(math.exp(smem[SC + wid * 32 + hh * KC + kk] - mr[hh]))
+                    lr[hh] += pv
+                    for i in range(DPL):
+                        acc[hh * DPL + i] += pv * kv[i]
+            cuda.syncthreads()
+        for hh in range(HPW):
+            h = h0 + hh
+            if h < H:
+                for i in range(ND):
+                    part[cuda.blockIdx.x, h, _dim(i, lane)] = acc[hh * DPL + i]
+                if lane == 0:
+                    part[cuda.blockIdx.x, h, K] = mr[hh]
+                    part[cuda.blockIdx.x, h, K + 1] = lr[hh]
+
+    smem_bytes = 4 * (XS + (NWARP * 32 * 33 if device.SIMULATOR else 0))
+    _SPLITS[key] = (_attention_decode_split_tiles, smem_bytes)
+    return _SPLITS[key]
+
+
+@device.kernel
+def _attention_combine(out, part, sinks):
+    """out[H, K] <- the P split partials of head blockIdx.y, dims blockIdx.x·blockDim.x + t,
+    merged with the sink in the denominator. The P (max, sum) pairs go through shared memory
+    once per block; the accumulator loads are issued eight at a time (independent loads in
+    flight instead of one L2 round trip per split)."""
+    P = part.shape[0]
+    H, K = out.shape
+    h = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    w = cuda.shared.array(MAX_SPLITS, float32)  # exp(m_p - M)
+    sums = cuda.shared.array(MAX_SPLITS, float32)  # l_p
+    for p in range(t, P, cuda.blockDim.x):
+        w[p] = part[p, h, K]
+        sums[p] = part[p, h, K + 1]
+    cuda.syncthreads()
+    M = sinks[h]
+    for p in range(P):
+        M = max(M, w[p])
+    cuda.syncthreads()
+    for p in range(t, P, cuda.blockDim.x):
+        w[p] = float32(math.exp(w[p] - M))  # an empty split (m = -inf): weight 0
+    cuda.syncthreads()
+    den = float32(math.exp(sinks[h] - M))
+    for p in range(P):
+        den += w[p] * sums[p]
+    d = cuda.blockIdx.x * cuda.blockDim.x + t
+    if d < K:
+        num = float32(0.0)
+        for p0 in range(0, P, 8):
+            for u in range(8):
+                p = min(p0 + u, P - 1)
+                num += part[p, h, d] * (w[p] if p0 + u < P else float32(0.0))
+        out[h, d] = num / den
+
+
+_SCRATCH: dict = {}  # (P, H, K) -> the split partials part[P, H, K+2], allocated once
+
+
+def decode_splits(H: int, K: int, slots: int, threads: int) -> tuple[int, int]:
+    """(splits P, head groups) of the decode grid for ``slots`` key slots (W + S or W + Ncap):
+    about four blocks per SM, at most one split per KC-slot tile and at most MAX_SPLITS."""
+    groups = cdiv(H, threads // 32 * HPW)
+    sms = 1 if device.SIMULATOR else _sm_count()
+    P = max(1, min(cdiv(slots, KC), cdiv(4 * sms, groups), MAX_SPLITS))
+    return P, groups
+
+
+_SM_COUNT = []
+
+
+def _sm_count() -> int:
+    if not _SM_COUNT:
+        _SM_COUNT.append(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    return _SM_COUNT[0]
+
+
+def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
+                     all_visible: int, sinks, scale: float, stream=0, threads=None,
+                     naive: bool = False, part=None) -> None:
+    """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
+    window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
+    in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
+    n_comp_visible[1]. Entries are kvpack's packed KV (head dim K; the rope dims follow from
+    the entry width). ``part`` is the split partials' scratch [P, H, K+2] f32 (default: one
+    per shape, module-wide and so reused by every layer: concurrent streams need their own).
+    Launches: the split kernel, then the combine."""
+    H, K = q.shape
+    R = rope_dim_of(K, window_packed.shape[1])
+    args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
+    if naive:
+        nt = threads or 64
+        _attention_decode_naive[cdiv(H, nt), nt, stream](out, *args, sinks, float32(scale), R)
+        return
+    nt = threads or 256
+    kern, smem = _split_kernel(K, R, nt)
+    slots = window_packed.shape[0] + (comp_packed.shape[0] if all_visible else sel.shape[0])
+    P, groups = decode_splits(H, K, slots, nt)
+    if part is None:
+        if (P, H, K) not in _SCRATCH:
+            _SCRATCH[P, H, K] = cuda.device_array((P, H, K + 2), np.float32, stream=stream)
+        part = _SCRATCH[P, H, K]
+    kern[(P, groups), nt, stream, smem](
+        part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
+        sel, n_comp_visible, int32(all_visible), float32(scale))
+    _attention_combine[(cdiv(K, 128), H), 128, stream](out, part, sinks)
+
+
+def attention_chunk(out, q, keys_packed, mask, sinks, scale: float, stream=0,
+                    threads=None) -> None:
+    """out[T, H, K] f32 <- q[T, H, K] over keys_packed[M, bytes] where mask[T, M] uint8 is set
+    (the caller concatenates window ring, chunk and compressed entries); sinks[H]."""
+    T, H, K = q.shape
+    nt = threads or 64
+    _attention_chunk_naive[min(cdiv(T * H, nt), 4096), nt, stream](
+        out, q, keys_packed, mask, sinks, float32(scale), rope_dim_of(K, keys_packed.shape[1]))
+
+
+# ---- CI lane B and the benchmark --------------------------------------------------------------
+_PART = "float32[:, :, ::1]"
+PTX_SIGNATURES = [
+    (_attention_decode_naive, "void(float32[:, ::1], float32[:, ::1], uint8[:, ::1], int32[::1], "
+                              "uint8[:, ::1], int32[::1], int32[::1], int32, float32[::1], "
+                              "float32, int64)"),
+    (_attention_chunk_naive, "void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, ::1], "
+                             "uint8[:, ::1], float32[::1], float32, int64)"),
+    (_split_kernel(512, 64, 256)[0], f"void({_PART}, float32[:, ::1], uint32[:, ::1], "
+                                     "int32[::1], uint32[:, ::1], int32[::1], int32[::1], int32, "
+                                     "float32)"),  # V4-Flash: K = 512, R = 64, 256 threads
+    (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1])"),
+]
+
+
+def random_packed_kv(rng, n: int, K: int, R: int) -> np.ndarray:
+    """[n, kv_entry_bytes(K, R)] uint8: random entries through the model's FP8 round-trip."""
+    from ..numerics import fp8_roundtrip
+
+    x = rng.normal(size=(n, K)).astype(np.float32)
+    x[:, :K - R] = fp8_roundtrip(x[:, :K - R], 64)
+    out = np.empty((n, kvpack.kv_entry_bytes(K, R)), np.uint8)
+    kvpack.pack_kv_ref(out, x, R)
+    return out
+
+
+def bench_cases(stream) -> list[BenchCase]:
+    """V4-Flash decode: H = 64 heads x K = 512 (R = 64), a full 128-entry window plus 512
+    selected compressed entries (CSA) or 8192 visible ones (HCA at 1M context)."""
+    rng = np.random.default_rng(0)
+    H, K, R, W = 64, 512, 64, 128
+    cases = []
+    for mode, ncomp in (("CSA", 512), ("HCA", 8192)):
+        hca = mode == "HCA"
+        ncap = 8192 if hca else 262_144 // 16  # CSA: a 64K-entry pool, 512 rows picked from it
+        dev = {n: cuda.to_device(a, stream=stream) for n, a in {
+            "q": (rng.normal(size=(H, K)) / 8).astype(np.float32),
+            "win": random_packed_kv(rng, W, K, R),
+            "comp": random_packed_kv(rng, ncap, K, R),
+            "nw": np.array([W], np.int32),
+            "sel": (np.arange(ncomp, dtype=np.int32) if hca else
+                    np.sort(rng.choice(ncap, ncomp, replace=False)).astype(np.int32)),
+            "nc": np.array([ncomp], np.int32),
+            "sinks": rng.normal(size=H).astype(np.float32),
+        }.items()}
+        out = cuda.device_array((H, K), np.float32, stream=stream)
+
+        def launch(d=dev, out=out, hca=hca):
+            attention_decode(out, d["q"], d["win"], d["nw"], d["comp"], d["sel"], d["nc"],
+                             int(hca), d["sinks"], 1 / math.sqrt(K), stream=stream)
+
+        M = W + ncomp
+        nbytes = M * kvpack.kv_entry_bytes(K, R) + 2 * H * K * 4 + 4 * ncomp
+        cases.append(BenchCase("attention", f"attention_decode {mode} H={H} K={K} M={W}+{ncomp}",
+                               launch, nbytes, flops=4 * H * K * M,
+                               target="<= 20 us" if mode == "CSA" else ""))
+    return cases

@@ -1,0 +1,731 @@
+"""Fused dequant + GEMV / GEMM for F32, F16, BF16 and Q8_0 weights, and the type dispatcher.
+
+out[T, N] = x[T, K] · W[N, K]ᵀ, or with ``ids`` int32 [T]: out[t] = W[ids[t]] · x[t]
+(expert-indexed rows: the MoE runs its selected experts in one launch). Letters: T tokens,
+N rows, K columns, E stacked experts. Each weight is repacked once at load (``pack_<type>``)
+into 32-bit word planes, losslessly (same bytes as the GGUF blocks):
+
+    F32   w  float32 [E, N, K]
+    F16   w  int32   [E, N, K/2]     element 2j in the low half of word j
+    BF16  w  int32   [E, N, K/2]     likewise
+    Q8_0  qs int32   [E, N, K/4]     the int8 quants, element 4j + i in byte i of word j
+          d  float16 [E, N, K/32]    the block scales
+
+Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one):
+- ``_gemv_<t>_block_per_row``: one block per (row, token), grid-stride over the row, block
+  reduction. The obviously-right baseline (H200: 0.84 TB/s on Q8_0 4096 x 8192).
+- ``_gemv_<t>_xregs_prefetch_splitk_b<B>`` (decode, T = B <= 4): each warp keeps its K-slice of
+  x in registers for the whole launch (K split over the warps of a block, partial sums added in
+  shared memory) and streams rows past it; each lane issues R x CPL independent 16-byte
+  ``ld.global.nc.v4`` loads per step, and the next step's loads go out before this step's math.
+  Blocks are persistent (grid-stride over row groups), so x is read once per block.
+- ``_gemv_q8_0_dp4a_prefetch_splitk_b1``: the same with x split into three int8 limbs so that
+  dp4a does the Q8_0 dot products at float32 accuracy (see ``_x_limbs``); used when each block
+  streams enough rows to repay quantising x (the 129280-row output head).
+- ``_gemm_<t>_smem_tiles`` (prefill, T > 4): a shared-memory tiled SGEMM; each weight tile is
+  dequantised once into shared memory and reused by a tile of tokens.
+
+Measured on the H200 (copy bandwidth 4.14 TB/s; graphs of 20 launches over >= 300 MB of weight
+copies, so L2 serves nothing): Q8_0 decode 75% of copy bandwidth on the output head, 41% on
+32768 x 1024, 27% on 4096 x 8192, 17% / 11% on the 4 MB / 2 MB attn_q_a / attn_kv (latency
+bound: a few µs whatever the kernel); F32 74%, F16 / BF16 54% at 4096 x 4096. Naive Q8_0: 20%.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda
+
+from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
+from .bench import BenchCase
+from .device import SIMULATOR, block_sum, capture_graph, cdiv, kernel, warp_sum
+from .qweight import QWeight
+
+DECODE_MAX_TOKENS = 4  # shared weights: up to this many tokens use the decode kernel
+DECODE_MAX_IDS = 16  # expert-indexed: up to this many (token, expert) pairs run one by one
+
+# ---- register-level helpers: 16-byte loads, bit casts, dp4a ------------------------------------
+# Numba has no vector loads, no int<->float bit casts and no dp4a. On the GPU each is a few lines
+# of LLVM (inline PTX for the load and dp4a); in the simulator NumPy does the same thing.
+if SIMULATOR:
+    def _ld_x4(a, i):
+        """Elements i .. i+3 of C-contiguous ``a`` in flat order (on the GPU one 16-byte
+        ld.global.nc.v4; i % 4 == 0)."""
+        f = a.ravel()
+        return f[i], f[i + 1], f[i + 2], f[i + 3]
+
+    def _ld(a, i):
+        """Element i of C-contiguous ``a`` in flat order."""
+        return a.ravel()[i]
+
+    def _bits_f32(v):
+        """The float32 whose bits are the low 32 bits of integer ``v``."""
+        return np.uint32(int(v) & 0xFFFFFFFF).view(np.float32)
+
+    def _bits_f16(v):
+        """The float16 whose bits are the low 16 bits of ``v``, widened (exactly) to float32."""
+        return np.float32(np.uint16(int(v) & 0xFFFF).view(np.float16))
+
+    def _dp4a(a, b, c):
+        """c + the dot product of the four signed bytes of ``a`` and of ``b`` (PTX dp4a)."""
+        for k in range(4):
+            c += (((int(a) >> 8 * k) + 128) % 256 - 128) * (((int(b) >> 8 * k) + 128) % 256 - 128)
+        return c
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _flat_ptr(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+        return builder.gep(arr.data, [context.cast(builder, args[1], sig.args[1], types.intp)])
+
+    def _flat_ok(a, i):
+        return isinstance(a, types.Array) and a.layout == "C" and isinstance(i, types.Integer)
+
+    @intrinsic
+    def _ld_x4(typingctx, a, i):
+        if not (_flat_ok(a, i) and a.dtype.bitwidth == 32):
+            return None
+        code = "f" if isinstance(a.dtype, types.Float) else "r"
+        ptx = "ld.global.nc.v4.%s {$0, $1, $2, $3}, [$4];" % ("f32" if code == "f" else "b32")
+
+        def codegen(context, builder, sig, args):
+            ptr = _flat_ptr(context, builder, sig, args)
+            elt = context.get_value_type(sig.args[0].dtype)
+            fty = ir.FunctionType(ir.LiteralStructType([elt] * 4), [ptr.type])
+            asm = ir.InlineAsm(fty, ptx, f"={code},={code},={code},={code},l")
+            s = builder.call(asm, [ptr])
+            return cgutils.pack_array(builder, [builder.extract_value(s, k) for k in range(4)])
+        return types.UniTuple(a.dtype, 4)(a, i), codegen
+
+    @intrinsic
+    def _ld(typingctx, a, i):
+        if not _flat_ok(a, i):
+            return None
+        return a.dtype(a, i), lambda ctx, b, sig, args: b.load(_flat_ptr(ctx, b, sig, args))
+
+    def _i32(builder, v, t):
+        return builder.trunc(v, ir.IntType(32)) if t.bitwidth > 32 else v
+
+    def _bitcast_intrinsic(width, ftype, result):
+        @intrinsic
+        def cast(typingctx, v):
+            if not isinstance(v, types.Integer):
+                return None
+
+            def codegen(context, builder, sig, args):
+                bits = builder.trunc(args[0], ir.IntType(width)) if v.bitwidth > width else args[0]
+                f = builder.bitcast(bits, ftype)
+                return builder.fpext(f, ir.FloatType()) if width < 32 else f
+            return result(v), codegen
+        return cast
+
+    _bits_f32 = _bitcast_intrinsic(32, ir.FloatType(), types.float32)
+    _bits_f16 = _bitcast_intrinsic(16, ir.HalfType(), types.float32)
+
+    @intrinsic
+    def _dp4a(typingctx, a, b, c):
+        if not all(isinstance(v, types.Integer) for v in (a, b, c)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "dp4a.s32.s32 $0, $1, $2, $3;",
+                               "=r,r,r,r")
+            return builder.call(asm, [_i32(builder, v, t) for v, t in zip(args, sig.args)])
+        return types.int32(a, b, c), codegen
+
+
+# Element k of a 32-bit word, as float32 (exact). k is a compile-time constant after unrolling.
+@cuda.jit(device=True)
+def _dq_f32(w, k):
+    return w
+
+
+@cuda.jit(device=True)
+def _dq_f16(w, k):
+    return _bits_f16(w >> (16 * k))
+
+
+@cuda.jit(device=True)
+def _dq_bf16(w, k):
+    return _bits_f32((w << 16) if k == 0 else ((w >> 16) << 16))  # bf16: top half of a float32
+
+
+@cuda.jit(device=True)
+def _dq_q8_0(w, k):
+    # Byte k as int8 q without an int->float conversion (those issue at 1/8 of the FMA rate):
+    # (byte ^ 0x80) = q + 128, placed in the mantissa of 2^23, is the float 2^23 + 128 + q.
+    return _bits_f32(((w >> (8 * k)) & 0xFF) ^ 0x4B000080) - np.float32(8388736.0)
+
+
+# ---- type table and packing (host, once at load) ------------------------------------------------
+class _Type(NamedTuple):
+    name: str
+    qtype: int
+    epw: int  # elements per 32-bit word
+    sblock: int  # elements per scale (0: no scale plane)
+    dq: object
+    wdtype: type  # dtype of the word plane
+
+
+_F32 = _Type("f32", GGMLType.F32, 1, 0, _dq_f32, np.float32)
+_F16 = _Type("f16", GGMLType.F16, 2, 0, _dq_f16, np.int32)
+_BF16 = _Type("bf16", GGMLType.BF16, 2, 0, _dq_bf16, np.int32)
+_Q8_0 = _Type("q8_0", GGMLType.Q8_0, 4, 32, _dq_q8_0, np.int32)
+
+
+def _words(raw: np.ndarray, rows: int, cols: int, dtype, epw: int) -> np.ndarray:
+    """Any raw tensor of rows x cols elements (+ leading expert dim) -> words [E, N, K / epw]."""
+    if cols % epw:
+        raise ValueError(f"row length {cols} is not a multiple of {epw}")
+    b = np.ascontiguousarray(raw).view(np.uint8)
+    return b.reshape(-1).view(dtype).reshape(-1, rows, cols // epw)
+
+
+def pack_f32(raw: np.ndarray, rows: int, cols: int) -> QWeight:
+    """raw float32 [E?, N, K] -> QWeight (w float32 [E, N, K])."""
+    w = _words(raw, rows, cols, np.float32, 1)
+    return QWeight(GGMLType.F32, rows, cols, len(w), (w,))
+
+
+def pack_f16(raw: np.ndarray, rows: int, cols: int) -> QWeight:
+    """raw float16 [E?, N, K] -> QWeight (w int32 [E, N, K/2], two halves per word)."""
+    w = _words(raw, rows, cols, np.int32, 2)
+    return QWeight(GGMLType.F16, rows, cols, len(w), (w,))
+
+
+def pack_bf16(raw: np.ndarray, rows: int, cols: int) -> QWeight:
+    """raw uint8 [E?, N, 2K] or uint16 [E?, N, K] -> QWeight (w int32 [E, N, K/2])."""
+    w = _words(raw, rows, cols, np.int32, 2)
+    return QWeight(GGMLType.BF16, rows, cols, len(w), (w,))
+
+
+def pack_q8_0(raw: np.ndarray, rows: int, cols: int) -> QWeight:
+    """raw uint8 [E?, N, K/32*34] -> QWeight (qs int32 [E, N, K/4], d float16 [E, N, K/32])."""
+    blocks = Q8_0Block.from_bytes(np.ascontiguousarray(raw, np.uint8).reshape(-1, 34))
+    qs = np.ascontiguousarray(blocks.q).view(np.int32).reshape(-1, rows, cols // 4)
+    d = np.ascontiguousarray(blocks.d).reshape(len(qs), rows, cols // 32)
+    return QWeight(GGMLType.Q8_0, rows, cols, len(qs), (qs, d))
+
+
+def _dense(w: QWeight) -> np.ndarray:
+    """Host planes -> float32 [E, N, K] through quants.dequantize on the rebuilt GGUF bytes."""
+    if w.qtype == GGMLType.Q8_0:
+        qs, d = (np.asarray(p) for p in w.planes)
+        raw = Q8_0Block(d.reshape(-1, 1), qs.view(np.int8).reshape(-1, 32)).to_bytes()
+    else:
+        raw = np.asarray(w.planes[0]).view(np.uint8)
+    return dequantize(raw.reshape(w.experts, w.rows, -1), w.qtype)
+
+
+def _gemv_ref(out: np.ndarray, w: QWeight, x: np.ndarray, ids: np.ndarray | None = None) -> None:
+    """out[T, N] = W[0 or ids[t]] · x[t] in out's dtype (NumPy; the weight through
+    quants.dequantize)."""
+    W = _dense(w).astype(out.dtype, copy=False)
+    x = x.astype(out.dtype, copy=False)
+    if ids is None:
+        np.matmul(x, W[0].T, out=out)
+        return
+    for e in np.unique(ids):
+        sel = ids == e
+        out[sel] = x[sel] @ W[e].T
+
+
+gemv_f32_ref = gemv_f16_ref = gemv_bf16_ref = gemv_q8_0_ref = _gemv_ref
+
+# ---- kernels -------------------------------------------------------------------------------------
+def _named(fn, name):
+    fn.__name__ = fn.__qualname__ = name
+    return kernel(fn)
+
+
+def _naive_kernel(ty: _Type):
+    EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
+    HAS_SCALE = ty.sblock > 0
+
+    def k(out, wq, ws, x, ids, per_token, K):
+        # grid (N, T): one block per output element; threads stride over the row's words
+        n, t = cuda.blockIdx.x, cuda.blockIdx.y
+        e = ids[t] if per_token else 0
+        scratch = cuda.shared.array(1024, np.float32)
+        acc = np.float32(0)
+        for j in range(cuda.threadIdx.x, K // EPW, cuda.blockDim.x):
+            w = wq[e, n, j]
+            s = np.float32(ws[e, n, j * EPW // SB]) if HAS_SCALE else np.float32(1)
+            for i in range(EPW):
+                acc += (dq(w, i) * s) * x[t, j * EPW + i]
+        total = block_sum(acc, scratch)
+        if cuda.threadIdx.x == 0:
+            out[t, n] = total
+    return _named(k, f"_gemv_{ty.name}_block_per_row")
+
+
+# x for the int8 dot products: three int8 "limbs" per element, x = s1*q1 + s2*q2 + s3*q3 with
+# s2 = s1/254, s3 = s2/254, so |error| <= s3/2 = amax * 3e-8: float32 precision, unlike
+# llama.cpp's single q8_1 limb (4e-3). dp4a then does 4 multiply-adds per instruction on the raw
+# Q8_0 words, and its int32 sums become floats by the 1.5 * 2^23 trick below (no I2F).
+_LIMB = np.float32(1 / 254)
+_MAGIC = 0x4B400000  # the float 1.5 * 2^23; as int + n (|n| < 2^22) it is the float 1.5 * 2^23 + n
+_MAGIC_F = np.float32(12582912.0)
+
+
+@cuda.jit(device=True)
+def _x_limbs(x, t, base, ok):
+    """x[t, base : base + 16] (zeros if not ok) -> (12 words: limb l's elements 4m .. 4m+3 in
+    word 4l + m, element 4m + k in byte k; the 3 limb scales). Returned by value so the caller's
+    arrays stay in registers; runs once per block."""
+    words = cuda.local.array(12, np.int32)
+    amax = np.float32(0)
+    if ok:
+        for i in range(16):
+            amax = max(amax, abs(x[t, base + i]))
+    s1 = amax / np.float32(127)
+    s2 = s1 * _LIMB
+    s3 = s2 * _LIMB
+    i1 = np.float32(1) / s1 if amax > 0 else np.float32(0)  # multiply, not divide, per element
+    i2 = i1 * np.float32(254)
+    i3 = i2 * np.float32(254)
+    for m in range(4):
+        a1, a2, a3 = 0, 0, 0
+        for k in range(4):
+            r = x[t, base + 4 * m + k] if ok else np.float32(0)
+            q1, r = _limb(r, s1, i1)
+            q2, r = _limb(r, s2, i2)
+            q3, r = _limb(r, s3, i3)
+            a1 += (q1 & 0xFF) << (8 * k)
+            a2 += (q2 & 0xFF) << (8 * k)
+            a3 += (q3 & 0xFF) << (8 * k)
+        words[m] = a1 - (1 << 32) if a1 >= 1 << 31 else a1
+        words[4 + m] = a2 - (1 << 32) if a2 >= 1 << 31 else a2
+        words[8 + m] = a3 - (1 << 32) if a3 >= 1 << 31 else a3
+    return ((words[0], words[1], words[2], words[3], words[4], words[5], words[6], words[7],
+             words[8], words[9], words[10], words[11]), (s1, s2, s3))
+
+
+@cuda.jit(device=True)
+def _limb(r, s, inv):
+    """(q, r - q*s) with q ~ round(r / s) in [-127, 127] (inv ~ 1/s); a rounding slip only
+    leaves more for the next limb."""
+    q = min(127, max(-127, int(math.floor(r * inv + np.float32(0.5)))))
+    return q, r - np.float32(q) * s
+
+
+@cuda.jit(device=True)
+def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, SCALED):
+    """Issue the R x CPL 16-byte loads (and scales) of flat rows row0 .. row0 + R - 1, without
+    a branch: rows clamp to row_end - 1 (their sums are never written) and chunks past the row
+    end to the last chunk (those lanes hold x = 0)."""
+    for i in range(R):
+        row = min(row0 + i, row_end - 1)
+        for j in range(CPL):
+            c = min(c0 + j * 32, nchunk - 1)
+            q = (i * CPL + j) * 4
+            wv[q], wv[q + 1], wv[q + 2], wv[q + 3] = _ld_x4(wq, row * kw + c * 4)
+            if SCALED:
+                sv[i * CPL + j] = np.float32(_ld(ws, row * ks + c // CPS))
+
+
+def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False):
+    """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
+    16-byte chunks of its warp's K-slice and holds their x; R rows per warp per step. The next
+    step's loads are issued before this step's math (registers double-buffered), so a warp
+    always has loads in flight. ``int8`` (Q8_0 only): dp4a on three int8 limbs of x."""
+    EPW, dq, WDT = ty.epw, ty.dq, ty.wdtype
+    EC = 4 * EPW  # elements per 16-byte chunk
+    INT8 = int8
+    SCALED, SB = ty.sblock > 0, max(1, ty.sblock)
+    CPS = max(1, ty.sblock // EC)  # chunks per scale (Q8_0: 2)
+    # local / shared array sizes must be plain constants for Numba's typing
+    N_PART, N_W, N_S, N_ACC = 2 * 32 * R * B, R * CPL * 4, R * CPL, R * B
+    N_XF = 1 if INT8 else B * CPL * EC
+    N_XQ, N_XS = (B * CPL * 12, B * CPL * 3) if INT8 else (1, 1)
+
+    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span):
+        # out [T, N]; wq [E, N, K/EPW]; ws [E, N, K/SB] or dummy; x [T, K]; ids [T] or dummy
+        # block = wr_n x wk_n warps: warp (wr, wk) takes row slot wr, K-slice wk of `span` chunks
+        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        wk, wr = warp % wk_n, warp // wk_n
+        wr_n = cuda.blockDim.x // 32 // wk_n
+        t0 = cuda.blockIdx.y * B
+        e = ids[t0] if per_token else 0
+        nchunk, kw, ks = K // EC, K // EPW, K // SB
+        c0 = wk * span + lane  # my first chunk; the others follow every 32
+        scratch = cuda.shared.array(1024, np.float32)  # warp_sum staging (simulator only)
+        part = cuda.shared.array(N_PART, np.float32)  # [parity, warp, R, B] K-slice partials
+        xf = cuda.local.array(N_XF, np.float32)  # x of my chunks (float types)
+        xq = cuda.local.array(N_XQ, np.int32)  # x limbs of my chunks (Q8_0)
+        xs = cuda.local.array(N_XS, np.float32)
+        wv = cuda.local.array(N_W, WDT)  # the words of this step
+        sv = cuda.local.array(N_S, np.float32)
+        wn = cuda.local.array(N_W, WDT)  # ... and of the next one
+        sn = cuda.local.array(N_S, np.float32)
+        acc = cuda.local.array(N_ACC, np.float32)
+        tb = cuda.local.array(B, np.float32)
+        ngroups = (N + wr_n * R - 1) // (wr_n * R)
+        g = cuda.blockIdx.x
+        # the first step's loads need no x: send them before preparing it
+        _load_rows(wn, sn, wq, ws, e * N + (g * wr_n + wr) * R, e * N + N, kw, ks, c0, nchunk,
+                   R, CPL, CPS, SCALED)
+        for j in range(CPL):
+            c = c0 + j * 32
+            ok = j * 32 + lane < span and c < nchunk
+            for b in range(B):
+                sl = b * CPL + j
+                if INT8:
+                    limbs, scales = _x_limbs(x, t0 + b, c * EC, ok)
+                    for i in range(12):
+                        xq[sl * 12 + i] = limbs[i]
+                    for i in range(3):
+                        xs[sl * 3 + i] = scales[i]
+                else:
+                    for i in range(EC):
+                        xf[sl * EC + i] = x[t0 + b, c * EC + i] if ok else np.float32(0)
+        p = 0
+        while g < ngroups:  # persistent blocks: grid-stride over groups of wr_n * R rows
+            n0 = (g * wr_n + wr) * R
+            for i in range(N_W):
+                wv[i] = wn[i]
+            for i in range(N_S):
+                sv[i] = sn[i]
+            _load_rows(wn, sn, wq, ws, e * N + n0 + cuda.gridDim.x * wr_n * R, e * N + N, kw, ks,
+                       c0, nchunk, R, CPL, CPS, SCALED)
+            for i in range(R):
+                for b in range(B):
+                    acc[i * B + b] = np.float32(0)
+                for j in range(CPL):
+                    q = (i * CPL + j) * 4
+                    if INT8:
+                        for b in range(B):
+                            sl = b * CPL + j
+                            d1, d2, d3 = _MAGIC, _MAGIC, _MAGIC
+                            for m in range(4):
+                                d1 = _dp4a(wv[q + m], xq[sl * 12 + m], d1)
+                                d2 = _dp4a(wv[q + m], xq[sl * 12 + 4 + m], d2)
+                                d3 = _dp4a(wv[q + m], xq[sl * 12 + 8 + m], d3)
+                            dot = (xs[sl * 3] * (_bits_f32(d1) - _MAGIC_F)
+                                   + xs[sl * 3 + 1] * (_bits_f32(d2) - _MAGIC_F)
+                                   + xs[sl * 3 + 2] * (_bits_f32(d3) - _MAGIC_F))
+                            acc[i * B + b] += sv[i * CPL + j] * dot
+                    else:
+                        for b in range(B):
+                            tb[b] = np.float32(0)
+                        for m in range(4):
+                            for kk in range(EPW):
+                                f = dq(wv[q + m], kk)  # dequantised once, used by all B tokens
+                                for b in range(B):
+                                    tb[b] += f * xf[(b * CPL + j) * EC + m * EPW + kk]
+                        for b in range(B):
+                            acc[i * B + b] += tb[b] * sv[i * CPL + j] if SCALED else tb[b]
+            for i in range(R):
+                for b in range(B):
+                    v = warp_sum(acc[i * B + b], scratch)
+                    if lane == 0:
+                        if wk_n == 1:
+                            if n0 + i < N:
+                                out[t0 + b, n0 + i] = v
+                        else:
+                            part[((p * 32 + warp) * R + i) * B + b] = v
+            if wk_n > 1:  # add the K-slices in a fixed order; parity buffers: one barrier
+                cuda.syncthreads()
+                t = cuda.threadIdx.x
+                if t < wr_n * R * B:
+                    r, i, b = t // (R * B), t // B % R, t % B
+                    n = (g * wr_n + r) * R + i
+                    if n < N:
+                        s = np.float32(0)
+                        for kw_ in range(wk_n):
+                            s += part[((p * 32 + r * wk_n + kw_) * R + i) * B + b]
+                        out[t0 + b, n] = s
+                p ^= 1
+            g += cuda.gridDim.x
+    return _named(k, f"_gemv_{ty.name}_{'dp4a' if INT8 else 'xregs'}_prefetch_splitk_b{B}")
+
+
+TK = 32  # K step of the tiled GEMM (one Q8_0 block)
+GEMM_MICRO = 8  # outputs per thread per side: 8 x 8 ran 11.1 TFLOP/s on the H200, 4 x 4 8.2
+_TILE_MAX = 128  # largest row / token tile (smem arrays are sized statically)
+_TILE_STRIDE = _TILE_MAX + 1  # padded: k-major stores from consecutive threads hit other banks
+
+
+def _batched_kernel(ty: _Type, MN: int, MB: int):
+    """Each thread owns an MN x MB micro-tile (rows ty + i*TNT, tokens tx + j*TBT)."""
+    EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
+    HAS_SCALE = ty.sblock > 0
+    WPS = TK // EPW  # words per row per K step
+    N_ACC = MN * MB
+
+    def k(out, wq, ws, x, ids, per_token, N, K, tnt):
+        # out [T, N]; grid (N / TN, T / TB); block = tnt x tbt threads
+        T = x.shape[0]
+        nt = cuda.blockDim.x
+        tid = cuda.threadIdx.x
+        tbt = nt // tnt
+        ty_, tx = tid // tbt, tid % tbt
+        TN, TB = tnt * MN, tbt * MB
+        n0, t0 = cuda.blockIdx.x * TN, cuda.blockIdx.y * TB
+        wt = cuda.shared.array((TK, _TILE_STRIDE), np.float32)  # dequantised W tile, k-major
+        xt = cuda.shared.array((TK, _TILE_STRIDE), np.float32)  # x tile, k-major
+        acc = cuda.local.array(N_ACC, np.float32)
+        for i in range(N_ACC):
+            acc[i] = np.float32(0)
+        e_prev = -1
+        while True:
+            # experts of this token tile in increasing order; a tile of tokens sorted by
+            # expert (as the MoE hands them over) takes one or two passes
+            e = 1 << 30
+            if per_token:
+                for tt in range(t0, min(t0 + TB, T)):
+                    if e_prev < ids[tt] < e:
+                        e = ids[tt]
+            elif e_prev < 0:
+                e = 0
+            if e == 1 << 30:
+                break
+            for k0 in range(0, K, TK):
+                for idx in range(tid, TN * WPS, nt):
+                    r, wj = idx // WPS, idx % WPS
+                    n, kw = n0 + r, k0 // EPW + wj
+                    if n < N and kw * EPW < K:
+                        w = wq[e, n, kw]
+                        s = np.float32(ws[e, n, kw * EPW // SB]) if HAS_SCALE else np.float32(1)
+                        for i in range(EPW):
+                            wt[wj * EPW + i, r] = dq(w, i) * s
+                    else:
+                        for i in range(EPW):
+                            wt[wj * EPW + i, r] = np.float32(0)
+                for idx in range(tid, TB * TK, nt):
+                    tt, kk = idx // TK, idx % TK
+                    t = t0 + tt
+                    ok = t < T and k0 + kk < K
+                    if ok and per_token:
+                        ok = ids[t] == e
+                    xt[kk, tt] = x[t, k0 + kk] if ok else np.float32(0)
+                cuda.syncthreads()
+                for kk in range(TK):
+                    for i in range(MN):
+                        a = wt[kk, ty_ + i * tnt]
+                        for j in range(MB):
+                            acc[i * MB + j] += a * xt[kk, tx + j * tbt]
+                cuda.syncthreads()
+            e_prev = e
+        for i in range(MN):
+            n = n0 + ty_ + i * tnt
+            for j in range(MB):
+                t = t0 + tx + j * tbt
+                if n < N and t < T:
+                    out[t, n] = acc[i * MB + j]
+    return _named(k, f"_gemm_{ty.name}_smem_tiles")
+
+
+def _decode_shape(ty: _Type, B: int) -> tuple[int, int]:
+    """(CPL, R): ~32 x registers per lane at B = 1, and R x CPL 16-byte loads per lane per step
+    (twice that in flight with the prefetch); the best of an H200 sweep (see the report)."""
+    cpl = max(1, 32 // (B * 4 * ty.epw))
+    return cpl, 2 if ty.epw == 1 or (ty.epw == 4 and B > 1) else 4
+
+
+class _Kernels(NamedTuple):
+    naive: object
+    decode: dict  # B -> kernel
+    batched: object
+    dp4a: object  # Q8_0, B = 1: the int8 decode kernel (None for the float types)
+
+
+_KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
+                               {B: _decode_kernel(ty, B, *_decode_shape(ty, B))
+                                for B in range(1, DECODE_MAX_TOKENS + 1)},
+                               _batched_kernel(ty, GEMM_MICRO, GEMM_MICRO),
+                               _decode_kernel(ty, 1, 2, 4, int8=True) if ty is _Q8_0 else None)
+            for ty in (_F32, _F16, _BF16, _Q8_0)}
+# dp4a wins once a block streams many row groups past its x (quantising x into limbs costs a few
+# microseconds per block): on the H200 the 129280-row head ran 181 µs against 190 µs with the
+# float kernel, while 4096 x 8192 (one group per block) ran 67 µs against 32 µs.
+DP4A_MIN_GROUPS_PER_BLOCK = 16
+_TYPES = {ty.qtype: ty for ty in (_F32, _F16, _BF16, _Q8_0)}
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+_STATE: dict = {}
+
+
+def _dummies():
+    """(ids int32 [1], scales float16 [1, 1, 1]): stand-ins for absent arguments, allocated once
+    so a launch allocates nothing (and can be captured in a CUDA graph)."""
+    if "ids" not in _STATE:
+        _STATE["ids"] = cuda.to_device(np.zeros(1, np.int32))
+        _STATE["scale"] = cuda.to_device(np.zeros((1, 1, 1), np.float16))
+    return _STATE["ids"], _STATE["scale"]
+
+
+def _max_blocks(threads: int) -> int:
+    """Blocks of a persistent grid: enough for every SM to hold as many as fit (2 in the
+    simulator, so tests cover the grid-stride loop)."""
+    if SIMULATOR:
+        return 2
+    if "sms" not in _STATE:
+        _STATE["sms"] = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return _STATE["sms"] * max(1, 1024 // threads)  # best of 4 / 8 / 16 x 128 threads
+
+
+def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None):
+    """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched") and
+    ``split_k`` (warps per row) override the choice; tests use them to reach every path."""
+    assert w.qtype == ty.qtype and x.shape[1] == w.cols and out.shape == (x.shape[0], w.rows)
+    T, N, K = x.shape[0], w.rows, w.cols
+    kern = _KERNELS[ty.qtype]
+    ids_dummy, scale_dummy = _dummies()
+    ws = w.planes[1] if ty.sblock else scale_dummy
+    per_token = 0 if ids is None else 1
+    ids_arg = ids_dummy if ids is None else ids
+    B = 1 if per_token else T
+    EC = 4 * ty.epw
+    auto = method is None
+    if auto:
+        limit = DECODE_MAX_IDS if per_token else DECODE_MAX_TOKENS
+        fits = K % EC == 0 and K // EC <= 32 * 32 * _decode_shape(ty, min(B, limit))[0]
+        method = "decode" if T <= limit and fits else "batched"
+    if method == "naive":
+        kern.naive[(N, T), threads or 128, stream](out, w.planes[0], ws, x, ids_arg, per_token, K)
+    elif method in ("decode", "dp4a"):
+        cpl, R = _decode_shape(ty, B)  # Q8_0 at B = 1: (2, 4), the dp4a kernel's shape too
+        nchunk = K // EC
+        wk_n = split_k or cdiv(nchunk, 32 * cpl)
+        span = cdiv(nchunk, wk_n)
+        assert K % EC == 0 and span <= 32 * cpl and wk_n <= 32, (K, wk_n)
+        wr_n = max(1, (threads or 128) // (32 * wk_n))
+        nt = 32 * wk_n * wr_n
+        grid = (min(cdiv(N, wr_n * R), _max_blocks(nt)), T // B)
+        if auto and kern.dp4a is not None and B == 1 and cdiv(N, wr_n * R) >= (
+                DP4A_MIN_GROUPS_PER_BLOCK * grid[0]):
+            method = "dp4a"
+        k = kern.dp4a if method == "dp4a" else kern.decode[B]
+        k[grid, nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span)
+    else:
+        nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
+        tnt = 1 << (nt.bit_length() // 2)  # 256 threads: 16 x 16 -> 128 rows x 128 tokens
+        grid = (cdiv(N, tnt * GEMM_MICRO), cdiv(T, nt // tnt * GEMM_MICRO))
+        kern.batched[grid, nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, N, K, tnt)
+
+
+def gemv_f32(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
+    """out float32 [T, N] (device) = W · x for F32 device planes; x float32 [T, K]; ids int32 [T]
+    device array or None. T <= 4 (<= 16 with ids): decode kernel, else the tiled GEMM;
+    ``method=`` / ``split_k=`` force a kernel (tests, benchmarks)."""
+    _launch(_F32, out, w, x, ids, stream, threads, **how)
+
+
+def gemv_f16(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
+    """As gemv_f32, F16 weights."""
+    _launch(_F16, out, w, x, ids, stream, threads, **how)
+
+
+def gemv_bf16(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
+    """As gemv_f32, BF16 weights."""
+    _launch(_BF16, out, w, x, ids, stream, threads, **how)
+
+
+def gemv_q8_0(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
+    """As gemv_f32, Q8_0 weights."""
+    _launch(_Q8_0, out, w, x, ids, stream, threads, **how)
+
+
+# ---- dispatch on the tensor's type ---------------------------------------------------------------
+def _by_type(qtype: int, fmt: str):
+    """This module's function for F32/F16/BF16/Q8_0, gemv_lowbit's for the others."""
+    if qtype in _TYPES:
+        return globals()[fmt.format(_TYPES[qtype].name)]
+    from . import gemv_lowbit  # written alongside; imported only when a low-bit type shows up
+
+    fn = getattr(gemv_lowbit, fmt.format(type_name(qtype).lower()), None)
+    if fn is None:
+        raise ValueError(f"no GEMV for tensor type {type_name(qtype)}")
+    return fn
+
+
+def pack_weight(raw: np.ndarray, qtype: int, rows: int, cols: int) -> QWeight:
+    """GGUF tensor data (as GGUFReader returns it) -> QWeight in the type's device layout."""
+    return _by_type(qtype, "pack_{}")(raw, rows, cols)
+
+
+def gemv_ref(out, w: QWeight, x, ids=None) -> None:
+    """NumPy reference for any supported weight type."""
+    _by_type(w.qtype, "gemv_{}_ref")(out, w, x, ids)
+
+
+def gemv(out, w: QWeight, x, ids=None, stream=0, threads=None) -> None:
+    """Launch the GEMV / GEMM for ``w``'s type (device arrays only)."""
+    _by_type(w.qtype, "gemv_{}")(out, w, x, ids, stream=stream, threads=threads)
+
+
+# ---- CI lane B and benchmarks --------------------------------------------------------------------
+def _signatures():
+    head = "void(float32[:, ::1], {}[:, :, ::1], float16[:, :, ::1], float32[:, ::1], int32[::1], "
+    for ty in (_F32, _F16, _BF16, _Q8_0):
+        h = head.format(np.dtype(ty.wdtype).name)
+        ks = _KERNELS[ty.qtype]
+        yield ks.naive, h + "int64, int64)"
+        for kd in [*ks.decode.values(), *([ks.dp4a] if ks.dp4a else [])]:
+            yield kd, h + "int64, int64, int64, int64, int64)"
+        yield ks.batched, h + "int64, int64, int64, int64)"
+
+
+PTX_SIGNATURES = list(_signatures())
+
+
+def _random_weight(ty: _Type, N: int, K: int, rng) -> QWeight:
+    """Random planes at a real shape without quantising gigabytes on the host: random words
+    (finite values for the float types) and Q8_0 scales of ~1e-3."""
+    if ty is _Q8_0:
+        qs = rng.integers(-2**31, 2**31, (1, N, K // 4), dtype=np.int32)
+        d = rng.uniform(5e-4, 1.5e-3, (1, N, K // 32)).astype(np.float16)
+        return QWeight(ty.qtype, N, K, 1, (qs, d))
+    raw = random_blocks(ty.qtype, (N, K), rng, 0.02)
+    return globals()[f"pack_{ty.name}"](raw, N, K)
+
+
+def bench_cases(stream) -> list[BenchCase]:
+    """Decode GEMVs at V4-Flash shapes (the launcher's own kernel choice), each timed as a graph
+    of 20 launches rotating over enough weight copies (>= 256 MB) that L2 (60 MB) cannot serve
+    them; the batched GEMM at a 512-token prefill chunk; the naive kernel for comparison."""
+    rng = np.random.default_rng()
+    shapes = [("attn_q_b", 32768, 1024), ("attn_output_b", 4096, 8192), ("attn_q_a", 1024, 4096),
+              ("attn_kv", 512, 4096), ("output", 129280, 4096), ("shexp_gate", 2048, 4096),
+              ("shexp_down", 4096, 2048)]
+    plan = [(_Q8_0, n, N, K, T, "decode") for n, N, K in shapes for T in (1,)]
+    plan += [(_Q8_0, "attn_q_b", 32768, 1024, T, "decode") for T in (2, 4)]
+    plan += [(ty, "square", 4096, 4096, 1, "decode") for ty in (_F32, _F16, _BF16)]
+    plan += [(_Q8_0, "attn_output_b", 4096, 8192, 1, "naive"),
+             (_Q8_0, "prefill", 4096, 4096, 512, "batched")]
+    cases = []
+    for ty, name, N, K, T, method in plan:
+        host = _random_weight(ty, N, K, rng)
+        copies = [host.to_device(stream) for _ in range(max(1, cdiv(256 << 20, host.nbytes)))]
+        xh = rng.standard_normal((T, K)).astype(np.float32)
+        x = cuda.to_device(xh, stream=stream)
+        out = cuda.device_array((T, N), np.float32, stream=stream)
+        fn = globals()[f"gemv_{ty.name}"]
+        reps = 20 if method == "decode" else 2
+
+        def one(w, fn=fn, out=out, x=x, how=None if method == "decode" else method):
+            return lambda: fn(out, w, x, stream=stream, method=how)  # decode: as the model runs
+        launch = capture_graph([one(copies[i % len(copies)]) for i in range(reps)], stream)
+
+        def check(host=host, xh=xh, out=out, N=N):
+            rows = min(N, 256)
+            sub = QWeight(host.qtype, rows, host.cols, 1, tuple(p[:, :rows] for p in host.planes))
+            ref = np.empty((len(xh), rows))
+            _gemv_ref(ref, sub, xh, None)
+            got = out.copy_to_host(stream=stream)[:, :rows]
+            stream.synchronize()
+            return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        target = ">= 75% copy bw" if ty is _Q8_0 and method == "decode" and T == 1 else ""
+        cases.append(BenchCase(
+            "gemv", f"{method} {ty.name} {name} {N}x{K} T={T} (x{reps} per graph)", launch,
+            bytes=reps * (host.nbytes + 4 * T * (K + N)), flops=reps * 2 * T * N * K,
+            target=target, check=check))
+    return cases

@@ -1,0 +1,598 @@
+"""Lightning indexer on the GPU (spec §4.7): scores over the packed FP4 keys, then top-k.
+
+    indexer_scores   out[N]     = Σ_h w[h] · ReLU(q[h] · key_j)  for j < n_visible, else -inf
+    topk             out_idx[k] = the k best j < n_visible (ties: lowest index; -1 pads)
+
+Keys are the 68-byte FP4 records of kvpack.py (DI = 128: 64 bytes of e2m1 nibbles, 4 ue8m0
+scales). ``n_visible`` is a device int32[1] (one per token in the chunk form), so a captured
+graph reads the current count: grids are sized for the capacity and tiles past the count only
+write -inf.
+
+The scorer is an fp32 matrix product [HI, DI] x [DI, N] with a ReLU and a weighted row sum on
+top: 4.3 GFLOP at N = 262,144, against 17.8 MB of keys, so it is compute-bound on the CUDA
+cores (tensor cores are out of reach from Numba). Each key is decoded to float once per block
+into shared memory (the per-32 scale folded in: 128 multiplies per key against 8,192 FMAs
+for its 64 dot products, so factoring the scale out of the inner sum would save nothing) and
+each thread keeps an HT x KT register tile of (head, key) accumulators, so each shared load
+feeds several FMAs. Dimension letters: HI index heads, DI index dim, N keys, T tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint64
+
+from .. import ops
+from . import device, kvpack
+from .bench import BenchCase
+from .device import cdiv
+
+HT = 8  # heads per thread in the register tile (HI must be a multiple)
+KT = 8  # keys per thread in the register tile
+HTKT = HT * KT  # (a literal for cuda.local.array)
+CD = 16  # key dims decoded into shared memory per stage (half an FP4 scale block)
+RADIX_BITS = 11  # radix-select digit width: passes over bits 31..21, 20..10, 9..0
+TOPK_THREADS = 512
+_ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
+
+
+def _inline(fn):
+    """A device helper inlined at Numba-IR level. Plain ``cuda.jit(device=True)`` helpers are
+    compiled for the *current device*, which CI lane B (compile_ptx, no driver) does not have."""
+    return cuda.jit(device=True, inline="always")(getattr(fn, "py_func", fn))
+
+
+_e2m1 = _inline(kvpack.e2m1_decode)
+
+
+# ---- NumPy references (the spec) --------------------------------------------------------------
+def indexer_scores_chunk_ref(out, q, w, keys_packed, n_visible) -> None:
+    """out[T, N] <- q[T, HI, DI], w[T, HI], keys_packed[Ncap, bytes] uint8, n_visible[T] int32.
+
+    Row t scores keys j < n_visible[t] (ops.indexer_scores on the unpacked keys); -inf beyond.
+    """
+    T, HI, DI = q.shape
+    for t in range(T):
+        n = min(int(n_visible[t]), out.shape[1], len(keys_packed))
+        keys = np.empty((n, DI), np.float32)
+        kvpack.unpack_index_key_ref(keys, keys_packed[:n])
+        out[t] = -np.inf
+        ops.indexer_scores(out[t:t + 1, :n], q[t:t + 1], w[t:t + 1], keys.astype(out.dtype))
+
+
+def indexer_scores_ref(out, q, w, keys_packed, n_visible) -> None:
+    """Decode form: out[N] <- q[HI, DI], w[HI], keys_packed, n_visible[1]."""
+    indexer_scores_chunk_ref(out[None], q[None], w[None], keys_packed, n_visible)
+
+
+def topk_ref(out_idx, scores, n_visible, k: int) -> None:
+    """out_idx[k] <- the k largest scores[j], j < n_visible[0], in the order (-score, index).
+
+    The index breaks ties, so the selected SET is unique and the kernels must return exactly
+    it (ops.topk_visible leaves ties arbitrary; on tie-free scores the two sets agree). With
+    n_visible <= k this is 0 .. n_visible-1 followed by -1 padding.
+    """
+    n = min(int(n_visible[0]), len(scores))
+    order = np.lexsort((np.arange(n), -np.asarray(scores[:n], np.float64)))[:k]
+    out_idx[...] = -1
+    out_idx[:len(order)] = order
+
+
+# ---- scores: naive ----------------------------------------------------------------------------
+@device.kernel
+def _indexer_scores_naive(out, q, w, keys, n_visible):
+    """One thread per (token, key): decode each element where it is used, all in registers.
+
+    q[T, HI, DI] f32, w[T, HI], keys[Ncap, bytes] uint8, n_visible[T], out[T, N]."""
+    T, HI, DI = q.shape
+    N = out.shape[1]
+    for i in range(cuda.grid(1), T * N, cuda.gridsize(1)):
+        t = i // N
+        j = i - t * N
+        n = min(int(n_visible[t]), N, keys.shape[0])
+        if j >= n:
+            out[t, j] = -math.inf
+            continue
+        s = float32(0.0)
+        for h in range(HI):
+            dot = float32(0.0)
+            for d in range(DI):
+                b = int32(keys[j, d // 2])
+                nib = (b >> 4) if d & 1 else (b & 15)
+                scale = float32(math.ldexp(1.0, int(keys[j, DI // 2 + d // 32]) - 127))
+                dot += q[t, h, d] * float32(_e2m1(nib)) * scale
+            s += w[t, h] * max(dot, float32(0.0))
+        out[t, j] = s
+
+
+# ---- scores: register tiles -------------------------------------------------------------------
+@_inline
+def _qcol(hg, half, d, HG, SWM):
+    """Where the 4 heads hg·8 + 4·half .. +3 sit in row d of the staged q: 4-float chunks,
+    first halves of all head groups then second halves, the chunk index XOR-swizzled by
+    (2·(d & 3) + half) & SWM. A warp's 8 groups then read 8 distinct chunks (one wavefront
+    per 128-bit load), and the staging stores of 4 rows x 8 heads hit 32 distinct banks."""
+    return 4 * (half * HG + (hg ^ ((2 * (d & 3) + half) & SWM)))
+
+
+@_inline
+def _fma_tile(smem, q0, q1, kb, acc, qv, kv):
+    """acc[HT, KT] += q (this thread's 8 heads: 4 at q0, 4 at q1) outer k[KT keys at kb]."""
+    for i in range(4):
+        qv[i] = smem[q0 + uint64(i)]
+        qv[4 + i] = smem[q1 + uint64(i)]
+    for j in range(KT):
+        kv[j] = smem[kb + uint64(j)]
+    for i in range(HT):
+        for j in range(KT):
+            acc[i * KT + j] += qv[i] * kv[j]
+
+
+@_inline
+def _score_tiles(out, q, w, keys32, keys8, n, smem, acc, qv, kv, wr, HI, DI, NT):
+    """Score every TILE-key tile of ``out`` assigned to this block (grid-stride over tiles).
+
+    out[N], q[HI, DI], w[HI]; keys32/keys8 = the same packed keys as uint32 words / bytes.
+    HI, DI, NT (= blockDim.x) are compile-time constants of the calling kernel, so the
+    shared-memory offsets fold into immediates. Thread (hg, kg) owns heads hg·8 .. hg·8+7 and
+    keys kg·KT .. kg·KT+KT-1 of the tile, read as 16-byte-aligned runs: 128-bit shared loads
+    (hot indices are uint64: Numba wraps signed indices, which hides the pattern from the
+    vectoriser). smem (16-byte aligned): q transposed [DI][HI] (layout: _qcol); the decoded
+    key stage [CD][TILE], which doubles as the [HG][TILE] head-sum scratch; the 16 FP4 values.
+    acc[HT·KT], qv[HT], kv[KT], wr[HT]: the caller's local arrays (registers once unrolled).
+    """
+    N = out.shape[0]
+    tid = cuda.threadIdx.x
+    HG = HI // HT
+    KG = NT // HG
+    TILE = KG * KT
+    SWM = min(HG & -HG, 8) - 1  # swizzle mask: keeps chunk ^ s inside its half-row
+    hg = tid % HG
+    kg = tid // HG
+    KOFF = HI * DI
+    LOFF = KOFF + max(CD, HG) * TILE
+    # q: a warp stages an 8-head x 4-dim block (rows read 16 B at a time)
+    for it in range(tid, HI * DI, NT):
+        blk = it // 32
+        h = (blk % HG) * 8 + (it & 7)
+        d = (blk // HG) * 4 + ((it & 31) >> 3)
+        smem[d * HI + _qcol(h >> 3, (h >> 2) & 1, d, HG, SWM) + (h & 3)] = q[h, d]
+    if tid < 16:
+        smem[LOFF + tid] = _e2m1(tid)
+    for i in range(HT):
+        wr[i] = w[hg * HT + i]
+    # this thread's two q chunks in rows with d & 3 = 0 .. 3 (row u's offset u·HI included)
+    q00 = uint64(_qcol(hg, 0, 0, HG, SWM))
+    q01 = uint64(_qcol(hg, 1, 0, HG, SWM))
+    q10 = uint64(HI + _qcol(hg, 0, 1, HG, SWM))
+    q11 = uint64(HI + _qcol(hg, 1, 1, HG, SWM))
+    q20 = uint64(2 * HI + _qcol(hg, 0, 2, HG, SWM))
+    q21 = uint64(2 * HI + _qcol(hg, 1, 2, HG, SWM))
+    q30 = uint64(3 * HI + _qcol(hg, 0, 3, HG, SWM))
+    q31 = uint64(3 * HI + _qcol(hg, 1, 3, HG, SWM))
+    zero = float32(0.0)
+    for tile in range(cuda.blockIdx.x, (N + TILE - 1) // TILE, cuda.gridDim.x):
+        k0 = tile * TILE
+        cuda.syncthreads()  # q staged / the previous tile's head sums consumed
+        if k0 >= n:  # past the visible keys (block-uniform): only the -inf fill
+            for kk in range(tid, TILE, NT):
+                if k0 + kk < N:
+                    out[k0 + kk] = -math.inf
+            continue
+        for a in range(HTKT):
+            acc[a] = zero
+        for c in range(DI // CD):
+            # stage: dims c·CD .. c·CD+CD-1 of the tile's keys as floats, scale applied
+            for kk in range(tid, TILE, NT):
+                j = k0 + kk
+                dst = uint64(KOFF + kk)
+                if j < n:
+                    sc = float32(math.ldexp(float32(1.0), int(keys8[j, DI // 2 + c * CD // 32])
+                                            - 127))
+                    for wd in range(CD // 8):
+                        word = uint64(keys32[j, c * (CD // 8) + wd])  # 8 nibbles, low first
+                        for e in range(8):
+                            nib = (word >> uint64(4 * e)) & uint64(15)
+                            smem[dst] = smem[uint64(LOFF) + nib] * sc
+                            dst += uint64(TILE)
+                else:
+                    for d in range(CD):
+                        smem[dst] = zero
+                        dst += uint64(TILE)
+            cuda.syncthreads()
+            for d4 in range(CD // 4):  # four d per step: d & 3, so the swizzle, is fixed
+                qb = uint64((c * CD + 4 * d4) * HI)
+                kb = uint64(KOFF + 4 * d4 * TILE + kg * KT)
+                _fma_tile(smem, qb + q00, qb + q01, kb, acc, qv, kv)
+                _fma_tile(smem, qb + q10, qb + q11, kb + uint64(TILE), acc, qv, kv)
+                _fma_tile(smem, qb + q20, qb + q21, kb + uint64(2 * TILE), acc, qv, kv)
+                _fma_tile(smem, qb + q30, qb + q31, kb + uint64(3 * TILE), acc, qv, kv)
+            cuda.syncthreads()
+        # ReLU per head, weighted sum over this thread's heads, then over the HG head groups
+        for j in range(KT):
+            part = zero
+            for i in range(HT):
+                part += wr[i] * max(acc[i * KT + j], zero)
+            smem[KOFF + hg * TILE + kg * KT + j] = part
+        cuda.syncthreads()
+        for kk in range(tid, TILE, NT):
+            j = k0 + kk
+            if j < N:
+                s = zero
+                for g in range(HG):
+                    s += smem[KOFF + g * TILE + kk]
+                out[j] = s if j < n else -math.inf
+
+
+_SCORERS: dict = {}
+
+
+def _scorer_kernels(HI: int, DI: int, NT: int):
+    """(decode kernel, chunk kernel) of the register-tile scorer, compiled for HI x DI and
+    NT threads per block: the shapes are closure constants (literal offsets, unrolled loops)."""
+    key = (HI, DI, NT)
+    if key in _SCORERS:
+        return _SCORERS[key]
+    if HI % HT or DI % CD or NT % (HI // HT) or NT // (HI // HT) * KT % 4:
+        raise ValueError(f"indexer: no register-tile layout for HI={HI}, DI={DI}, threads={NT}")
+
+    @device.kernel
+    def _indexer_scores_register_tiles(out, q, w, keys32, keys8, n_visible):
+        """Decode form: out[N], q[HI, DI], w[HI], n_visible[1]; persistent grid of tiles."""
+        smem = cuda.shared.array(0, float32, alignment=_ALIGN)
+        n = min(int(n_visible[0]), out.shape[0], keys8.shape[0])
+        _score_tiles(out, q, w, keys32, keys8, n, smem, cuda.local.array(HTKT, float32),
+                     cuda.local.array(HT, float32), cuda.local.array(KT, float32),
+                     cuda.local.array(HT, float32), HI, DI, NT)
+
+    @device.kernel
+    def _indexer_scores_chunk_register_tiles(out, q, w, keys32, keys8, n_visible):
+        """Chunk form: out[T, N], q[T, HI, DI], w[T, HI], n_visible[T]; blockIdx.y = token."""
+        smem = cuda.shared.array(0, float32, alignment=_ALIGN)
+        t = cuda.blockIdx.y
+        n = min(int(n_visible[t]), out.shape[1], keys8.shape[0])
+        _score_tiles(out[t], q[t], w[t], keys32, keys8, n, smem,
+                     cuda.local.array(HTKT, float32), cuda.local.array(HT, float32),
+                     cuda.local.array(KT, float32), cuda.local.array(HT, float32), HI, DI, NT)
+
+    _SCORERS[key] = (_indexer_scores_register_tiles, _indexer_scores_chunk_register_tiles)
+    return _SCORERS[key]
+
+
+_SM_COUNT = []
+
+
+def _sm_count() -> int:
+    """Multiprocessors of the current device (1 in the simulator, which has no attributes)."""
+    if not _SM_COUNT:
+        _SM_COUNT.append(1 if device.SIMULATOR
+                         else cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    return _SM_COUNT[0]
+
+
+_RESIDENT: dict = {}
+
+
+def resident_blocks(kern, args, nt: int, smem: int) -> int:
+    """How many blocks of ``kern`` (for these arguments) the whole GPU holds at once."""
+    key = (kern, nt, smem)
+    if key not in _RESIDENT:
+        if device.SIMULATOR:
+            _RESIDENT[key] = 4
+        else:
+            compiled = kern.compile(tuple(kern.typeof_pyval(a) for a in args))
+            _RESIDENT[key] = compiled.max_cooperative_grid_blocks(nt, smem)
+    return _RESIDENT[key]
+
+
+def _tile_grid(kern, args, HI: int, N: int, nt: int, smem: int) -> int:
+    """Persistent grid of the register-tile scorer: every block stages q once, then walks
+    tiles; no more blocks than fit at once (more would only add q staging and a tail)."""
+    tile = nt // (HI // HT) * KT
+    return max(1, min(cdiv(N, tile), resident_blocks(kern, args, nt, smem)))
+
+
+def _tile_smem(HI: int, DI: int, nt: int) -> int:
+    HG = HI // HT
+    return 4 * (HI * DI + max(CD, HG) * (nt // HG * KT) + 16)
+
+
+def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=None,
+                         naive: bool = False) -> None:
+    """out[T, N] f32 <- q[T, HI, DI] f32, w[T, HI] f32, keys_packed[Ncap, bytes] uint8,
+    n_visible[T] int32 (prefill: one visible count per token; -inf past it)."""
+    T, HI, DI = q.shape
+    N = out.shape[1]
+    if naive:
+        nt = threads or 128
+        _indexer_scores_naive[min(cdiv(T * N, nt), 4096), nt, stream](out, q, w, keys_packed,
+                                                                     n_visible)
+        return
+    nt = threads or 128
+    kern = _scorer_kernels(HI, DI, nt)[1]
+    args = (out, q, w, keys_packed.view(np.uint32), keys_packed, n_visible)
+    smem = _tile_smem(HI, DI, nt)
+    kern[(cdiv(_tile_grid(kern, args, HI, N, nt, smem), T), T), nt, stream, smem](*args)
+
+
+def indexer_scores(out, q, w, keys_packed, n_visible, stream=0, threads=None,
+                   naive: bool = False) -> None:
+    """Decode form: out[N] f32 <- q[HI, DI], w[HI], keys_packed[Ncap, bytes], n_visible[1]."""
+    HI, DI = q.shape
+    if naive:
+        indexer_scores_chunk(out.reshape(1, out.shape[0]), q.reshape(1, HI, DI),
+                             w.reshape(1, HI), keys_packed, n_visible, stream, threads, True)
+        return
+    nt = threads or 128
+    kern = _scorer_kernels(HI, DI, nt)[0]
+    args = (out, q, w, keys_packed.view(np.uint32), keys_packed, n_visible)
+    smem = _tile_smem(HI, DI, nt)
+    kern[_tile_grid(kern, args, HI, out.shape[0], nt, smem), nt, stream, smem](*args)
+
+
+# ---- top-k: naive rank ------------------------------------------------------------------------
+@device.kernel
+def _topk_rank(out_idx, scores, n_visible):
+    """One thread per entry: its rank in the order (-score, index) is the number of entries that
+    beat it; rank < k selects it, into slot ``rank``. O(N²), the reference made parallel."""
+    k = out_idx.shape[0]
+    n = min(int(n_visible[0]), scores.shape[0])
+    for j in range(cuda.grid(1), max(scores.shape[0], k), cuda.gridsize(1)):
+        if j < k and j >= n:
+            out_idx[j] = -1  # padding: fewer visible entries than k
+        if j < n:
+            v = scores[j]
+            rank = 0
+            for i in range(n):
+                o = scores[i]
+                if o > v or (o == v and i < j):
+                    rank += 1
+            if rank < k:
+                out_idx[rank] = j
+
+
+# ---- top-k: radix select in one launch ------------------------------------------------------
+# The float's bits map to an unsigned key with the same order (negative: all bits flipped,
+# otherwise the sign bit set). Three histogram passes over 11/11/10-bit digits, each counting
+# only entries whose higher digits equal the k-th largest key's, pin that key exactly; then
+# entries above it are written through an atomic counter and entries equal to it by rank in
+# index order. Grid-wide barriers separate the phases (numba's cooperative-groups grid sync
+# cannot be compiled without a driver, so CI lane B could not check it; this is the same
+# counter-and-generation barrier). Every block redundantly scans the global histogram, so no
+# extra phase is needed to publish the chosen digit.
+_HIST = 1 << RADIX_BITS
+_WS_EQ = 3 * _HIST  # per-block counts of entries equal to the threshold (<= 1024 blocks)
+_WS_GT = _WS_EQ + 1024  # counter of the slots taken by entries above the threshold
+_WS_BAR = _WS_GT + 1  # barrier: arrivals, generation (never cleared by the kernel)
+_WS_LEN = _WS_BAR + 2
+
+
+@_inline
+def _grid_barrier(ws, G):
+    """Every block of the grid meets here. All G blocks must be resident at once: the
+    launcher keeps G <= one block per SM. The arrival count returns to 0 after each use."""
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        gen = cuda.atomic.add(ws, _WS_BAR + 1, 0)
+        cuda.threadfence()  # this block's writes before its arrival
+        if cuda.atomic.add(ws, _WS_BAR, 1) == G - 1:
+            cuda.atomic.add(ws, _WS_BAR, -G)
+            cuda.threadfence()
+            cuda.atomic.add(ws, _WS_BAR + 1, 1)
+        else:
+            while cuda.atomic.add(ws, _WS_BAR + 1, 0) == gen:
+                cuda.nanosleep(64)
+        cuda.threadfence()
+    cuda.syncthreads()
+
+
+@_inline
+def _order_key(bits):
+    """Order-preserving unsigned key (int64) of a float32's bits; -0.0 ranks as +0.0."""
+    u = int(bits)
+    if u == 0x80000000:
+        u = 0
+    return (0xFFFFFFFF - u) if u >= 0x80000000 else (u + 0x80000000)
+
+
+@_inline
+def _block_scan(v, buf):
+    """Inclusive prefix sum of the int ``v`` over the block (Hillis-Steele in ``buf``)."""
+    t = cuda.threadIdx.x
+    buf[t] = v
+    cuda.syncthreads()
+    off = 1
+    while off < cuda.blockDim.x:
+        x = buf[t - off] if t >= off else 0
+        cuda.syncthreads()
+        buf[t] += x
+        cuda.syncthreads()
+        off *= 2
+    s = buf[t]
+    cuda.syncthreads()
+    return s
+
+
+@device.kernel
+def _topk_radix_select(out_idx, bits, n_visible, ws):
+    """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1]; ws[_WS_LEN] int32 scratch.
+
+    Every block must be resident at once (grid barriers; the launcher sizes the grid)."""
+    k = out_idx.shape[0]
+    n = min(int(n_visible[0]), bits.shape[0])
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    b = cuda.blockIdx.x
+    G = cuda.gridDim.x
+    if n <= k:  # everything visible is selected (grid-uniform branch: no barrier skipped)
+        for i in range(cuda.grid(1), k, cuda.gridsize(1)):
+            out_idx[i] = i if i < n else -1
+        return
+    hist = cuda.shared.array(_HIST, int32)
+    buf = cuda.shared.array(1024, int32)
+    found = cuda.shared.array(3, int32)
+    for i in range(cuda.grid(1), _WS_BAR, cuda.gridsize(1)):
+        ws[i] = 0
+    _grid_barrier(ws, G)
+    chunk = (n + G - 1) // G  # block b owns entries [lo, hi): index order is rank order
+    lo = b * chunk
+    hi = min(n, lo + chunk)
+    prefix = 0
+    pmask = 0
+    need = k  # how many of the entries matching ``prefix`` still belong to the top k
+    done = False  # the entries matching ``prefix`` are exactly ``need``: all are taken
+    for p in range(3):
+        shift = 21 - 11 * p if p < 2 else 0
+        nb = _HIST if p < 2 else 1024
+        for i in range(tid, nb, nt):
+            hist[i] = 0
+        cuda.syncthreads()
+        for j in range(lo + tid, hi, nt):
+            u = _order_key(bits[j])
+            if (u & pmask) == prefix:
+                cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+        cuda.syncthreads()
+        for i in range(tid, nb, nt):
+            if hist[i] > 0:
+                cuda.atomic.add(ws, p * _HIST + i, hist[i])
+        _grid_barrier(ws, G)
+        # the digit of the k-th largest: thread t sums bins in descending order, t-th slice
+        per = (nb + nt - 1) // nt
+        v = 0
+        for r in range(tid * per, min(nb, tid * per + per)):
+            v += ws[p * _HIST + nb - 1 - r]
+        incl = _block_scan(v, buf)
+        cum = incl - v
+        if cum < need and need <= incl:
+            for r in range(tid * per, min(nb, tid * per + per)):
+                c = ws[p * _HIST + nb - 1 - r]
+                if cum + c >= need:
+                    found[0] = nb - 1 - r
+                    found[1] = cum
+                    found[2] = c
+                    break
+                cum += c
+        cuda.syncthreads()
+        prefix |= int(found[0]) << shift
+        pmask |= (nb - 1) << shift
+        need -= int(found[1])
+        done = int(found[2]) == need  # typical after two passes when no scores tie
+        cuda.syncthreads()
+        if done:
+            break
+    # entries whose digits so far beat prefix are in; ``need`` of those equal to it are too
+    n_eq = 0
+    for j0 in range(lo, hi, nt):
+        j = j0 + tid
+        u = (_order_key(bits[j]) & pmask) if j < hi else -1
+        if u > prefix or (done and u == prefix):
+            out_idx[cuda.atomic.add(ws, _WS_GT, 1)] = j
+        if not done:
+            n_eq += cuda.syncthreads_count(int32(1 if u == prefix else 0))
+    if done:
+        return
+    if tid == 0:
+        ws[_WS_EQ + b] = n_eq
+    _grid_barrier(ws, G)
+    if n_eq == 0:
+        return
+    before = _block_scan(ws[_WS_EQ + tid] if tid < b else 0, buf)  # equal entries in blocks < b
+    if tid == nt - 1:
+        found[0] = before
+    cuda.syncthreads()
+    run = int(found[0])
+    for j0 in range(lo, hi, nt):
+        if run >= need:
+            break
+        j = j0 + tid
+        eq = 1 if j < hi and _order_key(bits[j]) == prefix else 0
+        rank = run + _block_scan(eq, buf) - eq
+        if eq == 1 and rank < need:
+            out_idx[k - need + rank] = j
+        run += cuda.syncthreads_count(int32(eq))
+
+
+def topk_workspace(stream=0):
+    """Scratch for ``topk`` (histograms, counters, the grid barrier: it must start zeroed);
+    one per stream that runs top-k."""
+    return cuda.to_device(np.zeros(_WS_LEN, np.int32), stream=stream)
+
+
+_WORKSPACE = []
+
+
+def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool = False,
+         work=None) -> None:
+    """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
+
+    Order within the selection is arbitrary; ties at the k-th value go to the lowest index;
+    with n_visible <= k the result is 0 .. n_visible-1 padded with -1. ``work`` is a
+    ``topk_workspace()``; by default one module-wide buffer (calls on one stream only).
+    """
+    if out_idx.shape[0] != k:
+        raise ValueError(f"topk: out_idx has {out_idx.shape[0]} slots, k = {k}")
+    N = scores.shape[0]
+    if naive:
+        nt = threads or 128
+        _topk_rank[min(cdiv(max(N, k), nt), 4096), nt, stream](out_idx, scores, n_visible)
+        return
+    if work is None:
+        if not _WORKSPACE:
+            _WORKSPACE.append(topk_workspace(stream))
+        work = _WORKSPACE[0]
+    nt = min(threads or TOPK_THREADS, 1024)
+    # at most one block per SM, so all are resident for the grid barriers; ~4 entries a thread
+    blocks = 1 if device.SIMULATOR else max(1, min(_sm_count(), cdiv(N, 4 * nt)))
+    _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work)
+
+
+# ---- CI lane B and the benchmark --------------------------------------------------------------
+_SCORES_SIG = ("void(float32[::1], float32[:, ::1], float32[::1], uint32[:, ::1], uint8[:, ::1], "
+               "int32[::1])")
+_CHUNK_SIG = ("void(float32[:, ::1], float32[:, :, ::1], float32[:, ::1], uint32[:, ::1], "
+              "uint8[:, ::1], int32[::1])")
+_V4_SCORERS = _scorer_kernels(64, 128, 128)  # V4-Flash: HI = 64, DI = 128, 128 threads
+PTX_SIGNATURES = [
+    (_indexer_scores_naive, "void(float32[:, ::1], float32[:, :, ::1], float32[:, ::1], "
+                            "uint8[:, ::1], int32[::1])"),
+    (_V4_SCORERS[0], _SCORES_SIG),
+    (_V4_SCORERS[1], _CHUNK_SIG),
+    (_topk_rank, "void(int32[::1], float32[::1], int32[::1])"),
+    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1])"),
+]
+
+
+def random_packed_keys(rng, n: int, DI: int) -> np.ndarray:
+    """[n, index_key_bytes(DI)] uint8: random keys through the model's FP4 round-trip, packed."""
+    from ..numerics import fp4_roundtrip
+
+    x = fp4_roundtrip(rng.normal(size=(n, DI)).astype(np.float32), 32)
+    out = np.empty((n, kvpack.index_key_bytes(DI)), np.uint8)
+    kvpack.pack_index_key_ref(out, x)
+    return out
+
+
+def bench_cases(stream) -> list[BenchCase]:
+    """V4-Flash shapes: HI = 64, DI = 128, k = 512, N = 262,144 (1M context) and 65,536."""
+    rng = np.random.default_rng(0)
+    HI, DI, k = 64, 128, 512
+    cases = []
+    for N in (262_144, 65_536):
+        keys = cuda.to_device(random_packed_keys(rng, N, DI), stream=stream)
+        q = cuda.to_device(rng.normal(size=(HI, DI)).astype(np.float32), stream=stream)
+        w = cuda.to_device((rng.normal(size=HI) / 90.51).astype(np.float32), stream=stream)
+        nv = cuda.to_device(np.array([N], np.int32), stream=stream)
+        scores = cuda.device_array(N, np.float32, stream=stream)
+        idx = cuda.device_array(k, np.int32, stream=stream)
+        work = topk_workspace(stream)
+
+        def launch(scores=scores, q=q, w=w, keys=keys, nv=nv, idx=idx, work=work):
+            indexer_scores(scores, q, w, keys, nv, stream=stream)
+            topk(idx, scores, nv, k, stream=stream, work=work)
+
+        nbytes = keys.nbytes + q.nbytes + w.nbytes + 2 * scores.nbytes + idx.nbytes
+        cases.append(BenchCase("indexer", f"indexer_scores+topk N={N} HI={HI} k={k}", launch,
+                               nbytes, flops=2 * N * HI * (DI + 1),
+                               target="<= 150 us" if N == 262_144 else ""))
+    return cases

@@ -1,0 +1,114 @@
+"""Sink attention over packed KV entries vs ops.sink_attention (simulator in CI; a GPU too)."""
+import math
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels.kernel_testing import THREADS, fresh_rng, poisoned, rel_err
+from pocketfm.kernels import attention as at
+from pocketfm.kernels import kvpack
+from pocketfm.kernels.device import SIMULATOR
+
+K, R = 128, 64  # generic-size check of the V4 layout (512 / 64): 200-byte entries
+W, S, NCAP = 16, 8, 40
+
+
+def decode_inputs(rng, H):
+    q = rng.normal(size=(H, K)).astype(np.float32)
+    win = at.random_packed_kv(rng, W, K, R)
+    comp = at.random_packed_kv(rng, NCAP, K, R)
+    sinks = rng.normal(size=H).astype(np.float32)
+    return q, win, comp, sinks
+
+
+def run_decode(q, win, nw, comp, sel, nc, hca, sinks, naive):
+    H = q.shape[0]
+    scale = 1 / math.sqrt(K)
+    arrs = [np.array([nw], np.int32), sel.astype(np.int32), np.array([nc], np.int32)]
+    ref = np.empty((H, K))
+    at.attention_decode_ref(ref, q.astype(np.float64), win, arrs[0], comp, arrs[1], arrs[2],
+                            hca, sinks.astype(np.float64), scale)
+    out = poisoned((H, K))
+    d = [cuda.to_device(a) for a in (q, win, arrs[0], comp, arrs[1], arrs[2], sinks)]
+    at.attention_decode(out, d[0], d[1], d[2], d[3], d[4], d[5], hca, d[6], scale,
+                        threads=THREADS, naive=naive)
+    return out.copy_to_host(), ref
+
+
+def test_rope_dim_follows_from_the_entry_width():
+    assert at.rope_dim_of(512, 584) == 64 and at.rope_dim_of(128, 200) == 64
+    assert at.rope_dim_of(144, kvpack.kv_entry_bytes(144, 16)) == 16
+    assert kvpack.kv_entry_bytes(K, R) == 200
+
+
+@pytest.mark.parametrize("naive", [True, False])
+@pytest.mark.parametrize("H,nw", [(4, 16), (3, 11)])
+def test_attention_decode_csa(naive, H, nw):
+    """Window partly filled (nw < W) or full; the selection has holes (-1) and repeats none."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, H)
+    sel = rng.choice(30, S, replace=False)
+    sel[rng.integers(0, S, size=2)] = -1
+    out, ref = run_decode(q, win, nw, comp, sel, 30, 0, sinks, naive)
+    assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_attention_decode_hca(naive):
+    """HCA: every compressed entry below n_comp_visible; sel is ignored."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, 4)
+    sel = np.full(S, 123456, np.int32)  # garbage: must not be read
+    out, ref = run_decode(q, win, W, comp, sel, 37, 1, sinks, naive)
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_attention_decode_sink_dominates():
+    """A huge sink takes almost all the mass: the output shrinks towards 0 like the reference."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, 4)
+    sinks[:] = 30.0
+    out, ref = run_decode(q, win, 5, comp, np.arange(S), 8, 0, sinks, False)
+    assert rel_err(out, ref) <= 1e-4 and np.abs(ref).max() < 1e-6
+
+
+def test_attention_chunk():
+    rng = fresh_rng()
+    T, H, M = 3, 2, 30
+    q = rng.normal(size=(T, H, K)).astype(np.float32)
+    keys = at.random_packed_kv(rng, M, K, R)
+    mask = (rng.random((T, M)) < 0.6).astype(np.uint8)
+    mask[:, 0] = 1
+    mask[1] = 0  # a query that sees no key: only the sink, output 0
+    sinks = rng.normal(size=H).astype(np.float32)
+    scale = 1 / math.sqrt(K)
+    ref = np.empty((T, H, K))
+    at.attention_chunk_ref(ref, q.astype(np.float64), keys, mask, sinks.astype(np.float64),
+                           scale)
+    assert np.all(ref[1] == 0)
+    out = poisoned((T, H, K))
+    at.attention_chunk(out, cuda.to_device(q), cuda.to_device(keys), cuda.to_device(mask),
+                       cuda.to_device(sinks), scale, threads=THREADS)
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
+@pytest.mark.parametrize("hca", [0, 1])
+def test_attention_decode_v4_shapes(hca):
+    rng = fresh_rng()
+    H, K4, R4, W4 = 64, 512, 64, 128
+    ncap = 1000
+    q = (rng.normal(size=(H, K4)) / 8).astype(np.float32)
+    win = at.random_packed_kv(rng, W4, K4, R4)
+    comp = at.random_packed_kv(rng, ncap, K4, R4)
+    sinks = rng.normal(size=H).astype(np.float32)
+    sel = rng.choice(ncap, 512, replace=False).astype(np.int32)
+    nw, nc = np.array([W4], np.int32), np.array([900], np.int32)
+    ref = np.empty((H, K4))
+    at.attention_decode_ref(ref, q.astype(np.float64), win, nw, comp, sel, nc, hca,
+                            sinks.astype(np.float64), 1 / math.sqrt(K4))
+    out = poisoned((H, K4))
+    d = [cuda.to_device(a) for a in (q, win, nw, comp, sel, nc, sinks)]
+    at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4))
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4

@@ -1,0 +1,97 @@
+"""gemv family: packing is lossless, and every kernel equals the NumPy reference (float64).
+
+Shapes are tiny and odd (rows and tokens that divide no tile, K tails in the tiled GEMM); ``method``
+and ``split_k`` force each kernel and the split-K path, which real shapes reach on their own.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from .kernel_testing import THREADS, fresh_rng, poisoned, rel_err
+from pocketfm.kernels import gemv
+from pocketfm.quants import GGMLType, dequantize, float32_to_bf16, random_blocks
+
+TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16, "q8_0": GGMLType.Q8_0}
+
+
+def _raw(name, shape, rng):
+    """GGUF-style raw data: typed arrays for F32 / F16 (as GGUFReader returns them), bytes else."""
+    raw = random_blocks(TYPES[name], shape, rng, std=0.05)
+    if name == "f32":
+        return raw.view(np.float32)
+    if name == "f16":
+        return raw.view(np.float16)
+    return raw
+
+
+def _case(name, E, N, K, T, with_ids, rng):
+    raw = _raw(name, (E, N, K) if E > 1 else (N, K), rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    ids = rng.integers(0, E, T).astype(np.int32) if with_ids else None
+    W = dequantize(raw, TYPES[name]).astype(np.float64).reshape(E, N, K)
+    ref = np.stack([W[0 if ids is None else ids[t]] @ x[t] for t in range(T)])
+    return gemv.pack_weight(raw, TYPES[name], N, K), x, ids, ref
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("E", [1, 3])
+def test_pack_is_lossless_and_ref_matches_dequantize(name, E):
+    rng = fresh_rng()
+    N, K, T = 5, 64, 3
+    w, x, ids, ref = _case(name, E, N, K, T, E > 1, rng)
+    assert (w.qtype, w.rows, w.cols, w.experts) == (TYPES[name], N, K, E)
+    raw_bytes = np.asarray(_raw(name, (E, N, K), rng)).view(np.uint8)
+    # the planes hold exactly the GGUF bytes' information: same size, same dequantised values
+    w2 = gemv.pack_weight(raw_bytes, TYPES[name], N, K)
+    assert w2.nbytes == raw_bytes.nbytes
+    assert np.array_equal(gemv._dense(w2), dequantize(raw_bytes, TYPES[name]).reshape(E, N, K))
+    out = np.empty((T, N))
+    gemv.gemv_ref(out, w, x, ids)
+    assert rel_err(out, ref) <= 1e-12
+
+
+def test_bf16_accepts_uint16_raw():
+    rng = fresh_rng()
+    vals = rng.standard_normal((4, 32)).astype(np.float32)
+    w = gemv.pack_bf16(float32_to_bf16(vals), 4, 32)
+    assert np.array_equal(gemv._dense(w)[0], dequantize(float32_to_bf16(vals), GGMLType.BF16))
+
+
+# (method, E, N, K, T, ids, split_k): every kernel, expert-indexed or not, odd sizes
+RUNS = [
+    ("naive", 3, 6, 64, 2, True, None),
+    ("decode", 1, 7, 256, 1, False, 2),  # split-K across 2 warps: the shared-memory sum
+    ("decode", 1, 23, 128, 2, False, None),  # more row groups than blocks: grid-stride loop
+    ("decode", 1, 11, 64, 4, False, None),
+    ("decode", 3, 10, 128, 2, True, None),
+    ("dp4a", 1, 7, 256, 1, False, 2),  # Q8_0 only: dp4a on int8 limbs of x
+    ("dp4a", 3, 10, 128, 2, True, None),
+    ("batched", 1, 70, 96, 37, False, None),  # two row tiles and two token tiles
+    ("batched", 3, 19, 96, 7, True, None),
+]
+
+
+@pytest.mark.parametrize("name,method,E,N,K,T,with_ids,split_k",
+                         [(n, *r) for r in RUNS for n in TYPES if r[0] != "dp4a" or n == "q8_0"])
+def test_kernel_matches_reference(name, method, E, N, K, T, with_ids, split_k):
+    if name != "q8_0" and method == "batched":
+        K -= 24  # a K tail that is not a whole TK step (Q8_0 rows are whole 32-blocks)
+    rng = fresh_rng()
+    w, x, ids, ref = _case(name, E, N, K, T, with_ids, rng)
+    out = poisoned((T, N))
+    ids_d = None if ids is None else cuda.to_device(ids)
+    launch = getattr(gemv, f"gemv_{name}")
+    launch(out, w.to_device(), cuda.to_device(x), ids_d, threads=THREADS, method=method,
+           split_k=split_k)
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
+def test_dispatcher_picks_by_tokens_and_type():
+    rng = fresh_rng()
+    for T in (2, 5):  # decode kernel, then the tiled GEMM
+        w, x, ids, ref = _case("q8_0", 1, 9, 64, T, False, rng)
+        out = poisoned((T, 9))
+        gemv.gemv(out, w.to_device(), cuda.to_device(x), threads=THREADS)
+        assert rel_err(out.copy_to_host(), ref) <= 1e-4
+    with pytest.raises(ValueError, match="no GEMV"):
+        gemv._by_type(GGMLType.I32, "pack_{}")

@@ -1,0 +1,114 @@
+"""Low-bit GEMV kernels (Q2_K, Q4_K, IQ2_XXS, MXFP4) against their NumPy references.
+
+Packing is checked lossless (unpack gives the GGUF bytes back, and the reference equals
+quants.dequantize(raw) @ x in float64); then every kernel runs on fresh random blocks at tiny
+shapes: one or two super-blocks per row, odd row counts, 3 stacked experts picked by ids.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels.kernel_testing import THREADS, fresh_rng, poisoned, rel_err
+from pocketfm import quants
+from pocketfm.kernels import gemv_lowbit as gl
+from pocketfm.quants import GGMLType
+
+TYPES = {"q2_k": GGMLType.Q2_K, "q4_k": GGMLType.Q4_K, "iq2_xxs": GGMLType.IQ2_XXS,
+         "mxfp4": GGMLType.MXFP4}
+UNPACK = {GGMLType.Q2_K: gl.unpack_q2_k, GGMLType.Q4_K: gl.unpack_q4_k,
+          GGMLType.IQ2_XXS: gl.unpack_iq2_xxs, GGMLType.MXFP4: gl.unpack_mxfp4}
+LAUNCH = {GGMLType.Q2_K: gl.gemv_q2_k, GGMLType.Q4_K: gl.gemv_q4_k,
+          GGMLType.IQ2_XXS: gl.gemv_iq2_xxs, GGMLType.MXFP4: gl.gemv_mxfp4}
+
+
+def _case(qtype, E, N, K, T, with_ids):
+    """Random raw blocks, their packed device weight, x, ids and the float64 reference."""
+    rng = fresh_rng()
+    raw = quants.random_blocks(qtype, (E, N, K), rng, std=0.05)
+    w = gl.PACKERS[qtype](raw, N, K)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    ids = rng.integers(0, E, T).astype(np.int32) if with_ids else None
+    ref = np.empty((T, N), np.float64)
+    gl.REFS[qtype](ref, w, x, ids)
+    return w.to_device(), cuda.to_device(x), None if ids is None else cuda.to_device(ids), ref
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_pack_is_lossless_and_ref_is_dequantize(name):
+    qtype = TYPES[name]
+    rng = fresh_rng()
+    E, N, K, T = 3, 5, 512, 4
+    raw = quants.random_blocks(qtype, (E, N, K), rng, std=0.05)
+    w = gl.PACKERS[qtype](raw, N, K)
+    assert all(p.flags.c_contiguous and p.shape[:2] == (E, N) for p in w.planes)
+    np.testing.assert_array_equal(UNPACK[qtype](w), raw)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    ids = rng.integers(0, E, T).astype(np.int32)
+    out = np.empty((T, N), np.float64)
+    gl.REFS[qtype](out, w, x, ids)
+    W = quants.dequantize(raw, qtype).astype(np.float64)  # [E, N, K]
+    expect = np.einsum("tnk,tk->tn", W[ids], x.astype(np.float64))
+    np.testing.assert_allclose(out, expect, rtol=1e-12, atol=1e-12)
+    # a 2-D weight (no expert dim) packs as one expert
+    w1 = gl.PACKERS[qtype](raw[0], N, K)
+    assert w1.experts == 1
+    np.testing.assert_array_equal(UNPACK[qtype](w1)[0], raw[0])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_block_per_row(name):
+    qtype = TYPES[name]
+    spec = gl.SPECS[qtype]
+    N, K, T = 5, 512, 3
+    w, x, ids, ref = _case(qtype, 3, N, K, T, True)
+    out = poisoned((T, N))
+    gl._launch(spec, out, w, x, ids, 0, THREADS, "naive")
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
+# (N, K, T, ids): odd row counts, one and two super-blocks, with and without ids; the 64-column
+# slot types run 4 or 8 slots a row, the 32-column ones 8 or 16. 33 rows over 3 tokens take two
+# row blocks per token in the simulator, the second holding one row.
+DECODE_SHAPES = [(33, 256, 3, True), (5, 512, 1, False)]
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dp4a_slots(name):
+    qtype = TYPES[name]
+    spec = gl.SPECS[qtype]
+    for N, K, T, with_ids in DECODE_SHAPES:
+        w, x, ids, ref = _case(qtype, 3, N, K, T, with_ids)
+        out = poisoned((T, N))
+        gl._launch(spec, out, w, x, ids, 0, THREADS, "decode")
+        assert rel_err(out.copy_to_host(), ref) <= 1e-4, (N, K, T)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_smem_tiles(name):
+    qtype = TYPES[name]
+    spec = gl.SPECS[qtype]
+    N, K, T = 33, 256, 8  # more tokens than a 4 x 4 tile covers in the simulator, odd rows
+    w, x, _, ref = _case(qtype, 1, N, K, T, False)
+    out = poisoned((T, N))
+    gl._launch(spec, out, w, x, None, 0, THREADS, "gemm")
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
+def test_launcher_picks_by_tokens():
+    """The public launchers: decode for a few tokens or ids, the GEMM for a batch."""
+    qtype = GGMLType.IQ2_XXS
+    for T, with_ids in ((1, False), (8, False)):
+        w, x, ids, ref = _case(qtype, 1, 9, 256, T, with_ids)
+        out = poisoned((T, 9))
+        LAUNCH[qtype](out, w, x, ids, threads=THREADS)
+        assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
+def test_decode_config_bounds():
+    spec = gl.SPECS[GGMLType.IQ2_XXS]
+    nt = gl.decode_threads(spec, 4096, 256)
+    rows_per_block, grid = gl.decode_config(spec, 6, 2048, 4096, nt, resident=264)
+    assert nt == 256 and rows_per_block % (nt // 64 * gl.R_ROWS) == 0
+    assert grid[1] == 6 and grid[0] * 6 <= 264 and grid[0] * rows_per_block >= 2048
+    assert gl.decode_threads(spec, 64 * 3, 256) is None  # 3 slots a row: not a power of 2
+    assert gl.decode_threads(spec, 256, 256) // 4 <= 32  # at most a warp of lanes per slot

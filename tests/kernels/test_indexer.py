@@ -1,0 +1,133 @@
+"""Lightning indexer kernels vs their NumPy references (simulator in CI; a GPU with CUDASIM=0)."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels.kernel_testing import THREADS, fresh_rng, poisoned, rel_err
+from pocketfm import ops
+from pocketfm.kernels import indexer as ix
+from pocketfm.kernels.device import SIMULATOR
+
+DI = 128  # V4 index dim: 68-byte keys
+HI = 8 if SIMULATOR else 64  # a multiple of the register tile's 8 heads
+
+
+def scorer_inputs(rng, T, ncap):
+    keys = ix.random_packed_keys(rng, ncap, DI)
+    q = rng.normal(size=(T, HI, DI)).astype(np.float32)
+    w = rng.normal(size=(T, HI)).astype(np.float32)
+    return q, w, keys
+
+
+def check_scores(out, ref, n_visible):
+    for t, n in enumerate(n_visible):
+        assert rel_err(out[t, :n], ref[t, :n]) <= 1e-4
+        assert np.all(np.isneginf(out[t, n:]))
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_indexer_scores_decode(naive):
+    rng = fresh_rng()
+    ncap, N, n = 45, 43, 37  # N, n_visible: multiples of nothing
+    q, w, keys = scorer_inputs(rng, 1, ncap)
+    nv = np.array([n], np.int32)
+    ref = np.empty((1, N))
+    ix.indexer_scores_ref(ref[0], q[0].astype(np.float64), w[0].astype(np.float64), keys, nv)
+    out = poisoned(N)
+    ix.indexer_scores(out, cuda.to_device(q[0]), cuda.to_device(w[0]), cuda.to_device(keys),
+                      cuda.to_device(nv), threads=THREADS, naive=naive)
+    check_scores(out.copy_to_host()[None], ref, [n])
+
+
+def test_indexer_scores_ref_is_ops_on_unpacked_keys():
+    rng = fresh_rng()
+    q, w, keys = scorer_inputs(rng, 2, 20)
+    x = np.empty((20, DI), np.float32)
+    ix.kvpack.unpack_index_key_ref(x, keys)
+    ref, want = np.empty((2, 20)), np.empty((2, 20))
+    ix.indexer_scores_chunk_ref(ref, q, w, keys, np.array([20, 20], np.int32))
+    ops.indexer_scores(want, q.astype(np.float64), w.astype(np.float64), x.astype(np.float64))
+    assert np.array_equal(ref, want)
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_indexer_scores_chunk(naive):
+    rng = fresh_rng()
+    T, ncap, N = 3, 41, 41
+    q, w, keys = scorer_inputs(rng, T, ncap)
+    nv = np.array([5, 30, 41], np.int32)
+    ref = np.empty((T, N))
+    ix.indexer_scores_chunk_ref(ref, q.astype(np.float64), w.astype(np.float64), keys, nv)
+    out = poisoned((T, N))
+    ix.indexer_scores_chunk(out, cuda.to_device(q), cuda.to_device(w), cuda.to_device(keys),
+                            cuda.to_device(nv), threads=THREADS, naive=naive)
+    check_scores(out.copy_to_host(), ref, nv)
+
+
+def test_indexer_scores_many_tiles():
+    """Register tiles: several blocks, and tiles past n_visible (only the -inf fill)."""
+    rng = fresh_rng()
+    ncap, n = (800, 530) if SIMULATOR else (100_000, 90_001)  # GPU: > 4 tiles per SM
+    q, w, keys = scorer_inputs(rng, 1, ncap)
+    nv = np.array([n], np.int32)
+    ref = np.empty((1, ncap))
+    ix.indexer_scores_ref(ref[0], q[0].astype(np.float64), w[0].astype(np.float64), keys, nv)
+    out = poisoned(ncap)
+    ix.indexer_scores(out, cuda.to_device(q[0]), cuda.to_device(w[0]), cuda.to_device(keys),
+                      cuda.to_device(nv), threads=THREADS)
+    check_scores(out.copy_to_host()[None], ref, [n])
+
+
+def run_topk(scores, n, k, naive, work=None):
+    out = cuda.to_device(np.full(k, -7, np.int32))
+    ix.topk(out, cuda.to_device(scores.astype(np.float32)), cuda.to_device(np.array([n], np.int32)),
+            k, threads=THREADS, naive=naive, work=work)
+    ref = np.empty(k, np.int32)
+    ix.topk_ref(ref, scores, np.array([n]), k)
+    return out.copy_to_host(), ref
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_topk_distinct_scores(naive):
+    rng = fresh_rng()
+    N, n, k = (301, 283, 24) if SIMULATOR else (30_011, 29_989, 512) if naive else (
+        262_144, 262_139, 512)
+    scores = rng.permutation(N).astype(np.float32) * np.float32(0.37) - np.float32(N / 5)
+    scores[n:] = 1e9  # invisible entries never win
+    out, ref = run_topk(scores, n, k, naive)
+    assert sorted(out) == sorted(ref)
+    if naive:
+        assert np.array_equal(out, ref)  # rank order: exactly the reference's order
+    alt = np.empty((1, k), np.int64)
+    ops.topk_visible(alt, scores[None].astype(np.float64), np.array([n]))
+    assert set(alt[0]) == set(ref)  # no ties: the reference agrees with the model's op
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_topk_ties_go_to_the_lowest_index(naive):
+    rng = fresh_rng()
+    N, n, k = (257, 250, 20) if SIMULATOR else (20_003, 19_999, 512) if naive else (
+        100_003, 99_999, 512)
+    scores = rng.integers(0, 6, size=N).astype(np.float32) - 2.0  # heavy ties, -0/+0 too
+    scores[rng.integers(0, n, size=5)] = -0.0
+    out, ref = run_topk(scores, n, k, naive)
+    assert sorted(out) == sorted(ref)
+    top = np.sort(scores[:n])[::-1]
+    assert top[k - 1] == top[k]  # the k-th value really is tied across the cut
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_topk_fewer_visible_than_k(naive):
+    scores = fresh_rng().normal(size=50).astype(np.float32)
+    out, ref = run_topk(scores, 13, 32, naive)
+    assert sorted(out) == sorted(ref) == [-1] * 19 + list(range(13))
+
+
+def test_topk_reuses_its_workspace():
+    """The radix kernel leaves its barrier counter at zero: back-to-back calls stay correct."""
+    work = ix.topk_workspace()
+    rng = fresh_rng()
+    for n in (97, 40, 5):
+        scores = rng.normal(size=101).astype(np.float32)
+        out, ref = run_topk(scores, n, 16, False, work)
+        assert sorted(out) == sorted(ref)
