@@ -9,7 +9,7 @@ from pocketfm.tokenizer import (ASSISTANT_TEXT, BOS_TEXT, DEFAULT_SPECIALS, END_
                                 EOS_TEXT, THINK_TEXT, USER_TEXT, Tokenizer, build_byte_bpe_vocab,
                                 bytes_to_unicode, pretokenize)
 
-FIXTURE = Path("/work/shared/fixtures/official-tiny/model.gguf")
+FIXTURE = Path(__file__).parent / "fixtures" / "official-tiny" / "model.gguf"
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs away.\n"
