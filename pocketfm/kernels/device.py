@@ -131,6 +131,41 @@ def block_max(v, scratch):
     return m
 
 
+@cuda.jit(device=True)
+def block_sum_warps(v, scratch, wsum):
+    """Sum of ``v`` over the block, returned to every thread: warp sums, then one pass over the
+    per-warp partials (2 barriers instead of a tree's log2(blockDim)).
+
+    scratch: shared [blockDim] of v's dtype (only the simulator's warp_sum uses it); wsum: shared
+    [32] of v's dtype. Every thread must call it; blockDim must be a multiple of 32.
+    """
+    t = cuda.threadIdx.x
+    s = warp_sum(v, scratch)
+    if t % 32 == 0:
+        wsum[t // 32] = s
+    cuda.syncthreads()
+    tot = wsum[0]
+    for i in range(1, cuda.blockDim.x // 32):
+        tot += wsum[i]
+    cuda.syncthreads()
+    return tot
+
+
+@cuda.jit(device=True)
+def block_max_warps(v, scratch, wsum):
+    """Maximum of ``v`` over the block, returned to every thread (see block_sum_warps)."""
+    t = cuda.threadIdx.x
+    m = warp_max(v, scratch)
+    if t % 32 == 0:
+        wsum[t // 32] = m
+    cuda.syncthreads()
+    tot = wsum[0]
+    for i in range(1, cuda.blockDim.x // 32):
+        tot = max(tot, wsum[i])
+    cuda.syncthreads()
+    return tot
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -37,7 +37,7 @@ from . import device
 from .bench import BenchCase
 from .device import cdiv
 from .kvpack import bf16_decode
-from .norm_rope import block_max_warps, block_sum_warps
+from .device import block_max_warps, block_sum_warps
 
 MAX_THREADS = 1024
 
