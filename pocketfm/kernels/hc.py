@@ -146,6 +146,16 @@ def _mix_serial(mv, X, fn, t):
     return ss
 
 
+@cuda.jit(device=True)
+def _collapse_streams(out_u, pre, X, t):
+    """out_u[t] = Σ_s pre[s] · X[t, s]: the HC streams folded into one sublayer input."""
+    for d in range(X.shape[2]):
+        u = 0.0
+        for s in range(X.shape[1]):
+            u += pre[s] * X[t, s, d]
+        out_u[t, d] = u
+
+
 @device.kernel
 def _hc_pre_naive(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters):
     t = cuda.grid(1)
@@ -158,11 +168,7 @@ def _hc_pre_naive(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps
     _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
     for i in range(hc):  # pre overwrites the first HC mix rows (no longer needed)
         mv[i] = _sigmoid(mv[i] * rinv * scale[0] + base[i]) + hc_eps
-    for d in range(D):
-        u = 0.0
-        for s in range(hc):
-            u += mv[s] * X[t, s, d]
-        out_u[t, d] = u
+    _collapse_streams(out_u, mv, X, t)
 
 
 @device.kernel
@@ -176,11 +182,7 @@ def _hc_head_naive(out_u, X, fn, base, scale, rms_eps, hc_eps):
     rinv = np.float32(1.0 / math.sqrt(ss / (hc * D) + rms_eps))
     for i in range(hc):
         mv[i] = _sigmoid(mv[i] * rinv * scale[0] + base[i]) + hc_eps
-    for d in range(D):
-        u = 0.0
-        for s in range(hc):
-            u += mv[s] * X[t, s, d]
-        out_u[t, d] = u
+    _collapse_streams(out_u, mv, X, t)
 
 
 @device.kernel
