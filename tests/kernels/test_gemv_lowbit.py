@@ -21,8 +21,9 @@ LAUNCH = {GGMLType.Q2_K: gl.gemv_q2_k, GGMLType.Q4_K: gl.gemv_q4_k,
           GGMLType.IQ2_XXS: gl.gemv_iq2_xxs, GGMLType.MXFP4: gl.gemv_mxfp4}
 
 
-def _case(qtype, E, N, K, T, with_ids):
-    """Random raw blocks, their packed device weight, x, ids and the float64 reference."""
+def _case(qtype, E, N, K, T, with_ids, bound=False):
+    """Random raw blocks, their packed device weight, x, ids and the float64 reference (and, with
+    ``bound``, the dp4a kernels' error bound per output, see test_dp4a_slots)."""
     rng = fresh_rng()
     raw = quants.random_blocks(qtype, (E, N, K), rng, std=0.05)
     w = gl.PACKERS[qtype](raw, N, K)
@@ -30,7 +31,12 @@ def _case(qtype, E, N, K, T, with_ids):
     ids = rng.integers(0, E, T).astype(np.int32) if with_ids else None
     ref = np.empty((T, N), np.float64)
     gl.REFS[qtype](ref, w, x, ids)
-    return w.to_device(), cuda.to_device(x), None if ids is None else cuda.to_device(ids), ref
+    dev = (w.to_device(), cuda.to_device(x), None if ids is None else cuda.to_device(ids), ref)
+    if not bound:
+        return dev
+    W = np.abs(quants.dequantize(raw, qtype).astype(np.float64))[ids if with_ids else [0] * T]
+    err = DP4A_X_STEP * np.abs(x).max(axis=1)[:, None] * W.sum(axis=2)  # [T, N]
+    return dev + (err,)
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -72,15 +78,25 @@ def test_block_per_row(name):
 DECODE_SHAPES = [(33, 256, 3, True), (5, 512, 1, False)]
 
 
+# The dp4a decode kernels quantise x to int16 per 16-byte slot (|q| <= 32000 of the slot's max),
+# so each x element is off by at most half a step, max|x| / 64000: an output may be off by that
+# times Σ|w| of its row — not float32-exact. At V4 shapes that is rel 2e-5 (H200), but on tiny
+# random rows with cancellation the plain rel-L2 occasionally passes 1e-4 (seen: 1.5e-4, about
+# 1 run in 25), so the test checks the kernel's own bound per output, plus rel-L2 <= 1e-3.
+DP4A_X_STEP = 1.0 / 64000
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_dp4a_slots(name):
     qtype = TYPES[name]
     spec = gl.SPECS[qtype]
     for N, K, T, with_ids in DECODE_SHAPES:
-        w, x, ids, ref = _case(qtype, 3, N, K, T, with_ids)
+        w, x, ids, ref, err = _case(qtype, 3, N, K, T, with_ids, bound=True)
         out = poisoned((T, N))
         gl._launch(spec, out, w, x, ids, 0, THREADS, "decode")
-        assert rel_err(out.copy_to_host(), ref) <= 1e-4, (N, K, T)
+        got = out.copy_to_host()
+        assert rel_err(got, ref) <= 1e-3, (N, K, T)
+        assert np.all(np.abs(got - ref) <= err + 1e-6 * np.abs(ref) + 1e-7), (N, K, T)
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -98,10 +114,14 @@ def test_launcher_picks_by_tokens():
     """The public launchers: decode for a few tokens or ids, the GEMM for a batch."""
     qtype = GGMLType.IQ2_XXS
     for T, with_ids in ((1, False), (8, False)):
-        w, x, ids, ref = _case(qtype, 1, 9, 256, T, with_ids)
+        w, x, ids, ref, err = _case(qtype, 1, 9, 256, T, with_ids, bound=True)
         out = poisoned((T, 9))
         LAUNCH[qtype](out, w, x, ids, threads=THREADS)
-        assert rel_err(out.copy_to_host(), ref) <= 1e-4
+        got = out.copy_to_host()
+        if T == 1:  # the dp4a decode kernel: its own error bound (see test_dp4a_slots)
+            assert np.all(np.abs(got - ref) <= err + 1e-6 * np.abs(ref) + 1e-7)
+        else:  # the float32 GEMM
+            assert rel_err(got, ref) <= 1e-4
 
 
 def test_decode_config_bounds():

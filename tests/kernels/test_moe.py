@@ -197,7 +197,7 @@ def _weights(rng, D, F, E, routed=(GGMLType.Q8_0, GGMLType.Q8_0), shared=GGMLTyp
                 shared_down=w(shared, 1, D, F, 0.3))
 
 
-def _check_moe_layer(rng, host, D, F, E, k, steps):
+def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
     """Run moe_layer for each step dict (use_hash, clamps, shared on/off) on ONE scratch and one
     x / token buffer refilled per step, as a captured graph would, and compare with the ref."""
     V = 20
@@ -231,7 +231,7 @@ def _check_moe_layer(rng, host, D, F, E, k, steps):
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
                           tid2eid=tid2eid, token=token, **h, **layer)
-        assert rel_err(out.copy_to_host(), ref) <= 1e-4, step
+        assert rel_err(out.copy_to_host(), ref) <= tol, step
 
 
 def test_moe_layer_matches_ref_q8_0():
@@ -260,4 +260,6 @@ def test_moe_layer_matches_ref_lowbit_without_shared_expert():
     rng = fresh_rng()
     D, F, E, k = 256, 256, 4, 2
     host = _weights(rng, D, F, E, routed=(GGMLType.IQ2_XXS, GGMLType.Q2_K))
-    _check_moe_layer(rng, host, D, F, E, k, [dict(no_shared=True, fused=True)])
+    # the low-bit decode GEMVs quantise x to int16 per slot (not float32-exact: rel ~2e-5, with
+    # rare tiny-shape outliers; see tests/kernels/test_gemv_lowbit.py::test_dp4a_slots)
+    _check_moe_layer(rng, host, D, F, E, k, [dict(no_shared=True, fused=True)], tol=5e-4)
