@@ -26,6 +26,8 @@ class BenchCase:
     target: str = ""  # the target for this case, if any ("75% copy bw", "<= 150 us")
     check: Callable[[], float] | None = None  # returns rel error vs the reference (optional)
     extra: dict = field(default_factory=dict)
+    launches: int = 1  # kernel launches per call of ``launch`` (a captured graph of several);
+    # bytes and FLOPs count all of them, the reported time is per launch
 
 
 def time_launches(launch: Callable[[], None], stream, reps: int = 50, warmup: int = 5,

@@ -484,7 +484,8 @@ def bench_cases(stream) -> list[BenchCase]:
             nbytes += 4 * (2 * rows * width + (2 * r * width if overlap else 0)) + n_emit * nb
         cases.append(BenchCase("compressor", f"{name} (x{reps} graph)",
                                repeat_graph(launch, stream), bytes=reps * nbytes,
-                               flops=reps * (n_emit * rows * d * 6 + 2 * T * width)))
+                               flops=reps * (n_emit * rows * d * 6 + 2 * T * width),
+                               launches=reps))
 
     case("compressor_step CSA kv d512 r4, no emission", 4, True, 512, 1, 41, MODE_KV_FP8)
     case("compressor_step CSA kv d512 r4, emission", 4, True, 512, 1, 43, MODE_KV_FP8)

@@ -727,5 +727,5 @@ def bench_cases(stream) -> list[BenchCase]:
         cases.append(BenchCase(
             "gemv", f"{method} {ty.name} {name} {N}x{K} T={T} (x{reps} per graph)", launch,
             bytes=reps * (host.nbytes + 4 * T * (K + N)), flops=reps * 2 * T * N * K,
-            target=target, check=check))
+            target=target, check=check, launches=reps))
     return cases

@@ -541,7 +541,7 @@ def bench_cases(stream) -> list[BenchCase]:
         nbytes = T * dev.nbytes // E + 4 * T * (K + N)  # 6 experts' planes, x, out
         cases.append(BenchCase("gemv_lowbit", f"{spec.decode.__name__} 6 of {E} x {N}x{K},"
                                f" {n} launches per graph", replay, n * nbytes,
-                               n * 2 * T * N * K, target, check))
+                               n * 2 * T * N * K, target, check, launches=n))
 
     decode_case(_IQ2_XXS, 2048, 4096, ">= 75% copy bw")
     decode_case(_Q2_K, 4096, 2048, ">= 75% copy bw")

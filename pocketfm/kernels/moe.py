@@ -513,10 +513,10 @@ def bench_cases(stream) -> list[BenchCase]:
     cases = [
         BenchCase("moe", f"route E={E} k={k} (x{reps} per graph)", capture_graph(
             [lambda: route_chunk(sc.ids, sc.w_routed, logits, bias, tid2eid, token, 0, 1.5, 1,
-                                 stream)] * reps, stream), bytes=reps * (2 * E * 4 + k * 8)),
+                                 stream)] * reps, stream), bytes=reps * (2 * E * 4 + k * 8), launches=reps),
         BenchCase("moe", f"swiglu_fused k={k}+1 F={F} (x{reps} per graph)", capture_graph(
             [lambda: swiglu_fused(sc.h, sc.gate_up, sc.w_ext, 10.0, stream)] * reps, stream),
-            bytes=reps * (3 * (k + 1) * F * 4 + (k + 1) * 4)),
+            bytes=reps * (3 * (k + 1) * F * 4 + (k + 1) * 4), launches=reps),
     ]
     (g, t_gate), (u, t_up) = (_bench_weight(GGMLType.IQ2_XXS, E, F, D, rng) for _ in "gu")
     gate_up = fuse_gate_up(g, u).to_device(stream)
@@ -555,7 +555,8 @@ def bench_cases(stream) -> list[BenchCase]:
     return cases + [
         BenchCase("moe", f"moe_layer {shape} (graph, 4 tokens)",
                   capture_graph([layer(tk) for tk in tokens], stream), bytes=4 * per_token,
-                  target=">= 70% of copy bw on the bytes it must read", check=check),
+                  target=">= 70% of copy bw on the bytes it must read", check=check,
+                  launches=len(tokens)),
         BenchCase("moe", f"moe_layer {shape} (eager)", layer(tokens[0]), bytes=per_token),
     ]
 

@@ -561,7 +561,7 @@ def bench_cases(stream) -> list[BenchCase]:
 
     def add(name, launch, nbytes, flops):
         cases.append(BenchCase("qat", f"{name} (x{n} graph)", repeat_graph(launch, stream),
-                               bytes=n * nbytes, flops=n * flops))
+                               bytes=n * nbytes, flops=n * flops, launches=n))
 
     for T in (1, 512):
         x = cuda.to_device(rng.normal(size=(T, K)).astype(np.float32), stream=stream)
