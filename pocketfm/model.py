@@ -16,6 +16,7 @@ import numpy as np
 from . import ops as numpy_ops
 from .config import ModelConfig
 from .numerics import hadamard_matrix, rope_frequencies, rope_tables
+from .quants import bf16_to_float32, float32_to_bf16
 from .weights import Block, Weights
 
 
@@ -58,11 +59,18 @@ class RunState:
 
 
 class Forward:
-    """DeepSeek-V4 forward for one loaded model; ``qat`` switches the FP8/FP4 round-trips."""
+    """DeepSeek-V4 forward for one loaded model; ``qat`` switches the FP8/FP4 round-trips.
+
+    ``packed_kv`` (default: on with QAT) gives every stored kv entry — window ring and compressed
+    — the rounding of the GPU's packed 584-byte format: the FP8 dims are exact already, the rope
+    dims are rounded to bf16 (spec §6.3). Both backends then attend over the same values;
+    ``packed_kv=False`` keeps them in full precision (fidelity tests against the reference).
+    """
 
     def __init__(self, cfg: ModelConfig, weights: Weights, qat: bool = True,
-                 dtype=np.float32, ops=numpy_ops):
+                 dtype=np.float32, ops=numpy_ops, packed_kv: bool | None = None):
         self.cfg, self.w, self.qat, self.dtype, self.ops = cfg, weights, qat, np.dtype(dtype), ops
+        self.packed_kv = qat if packed_kv is None else bool(packed_kv)
         self.freq_window = rope_frequencies(cfg.rope_dim, cfg.rope_base)  # ratio-0 layers
         self.freq_compressed = rope_frequencies(
             cfg.rope_dim, cfg.compress_rope_base, cfg.yarn_factor, cfg.yarn_orig_ctx,
@@ -132,6 +140,7 @@ class Forward:
         ops.rope(kv, kv, cos, sin)
         if self.qat:
             ops.kv_roundtrip(kv, kv, cfg.rope_dim)
+        self._storage_rounding(kv)
 
         keys, mask = self._window_keys(st, kv, pos)  # also pushes kv into the ring
         if ratio > 0:
@@ -228,7 +237,14 @@ class Forward:
         self.ops.rope(c, c, cos, sin)
         if self.qat:
             self.ops.kv_roundtrip(c, c, self.cfg.rope_dim)
+        self._storage_rounding(c)
         return c
+
+    def _storage_rounding(self, kv):
+        """The packed format's bf16 rope dims (see ``packed_kv``), in place."""
+        if self.packed_kv:
+            tail = kv[..., -self.cfg.rope_dim:]
+            tail[...] = bf16_to_float32(float32_to_bf16(tail.astype(np.float32)))
 
     def _emit_index_key(self, c, norm, first_pos):
         """Indexer key: RMSNorm → RoPE at the block's first position → Hadamard (+ FP4)."""

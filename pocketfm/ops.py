@@ -141,7 +141,8 @@ def indexer_scores(out: np.ndarray, q: np.ndarray, w: np.ndarray, keys: np.ndarr
 def topk_visible(out: np.ndarray, scores: np.ndarray, n_visible: np.ndarray) -> None:
     """out[T, k]: the indices of the top-k scores among entries j < n_visible[t]; -1 pads.
 
-    Order within the selection is irrelevant (attention is a set operation).
+    Order within the selection is irrelevant (attention is a set operation); ties at the k-th
+    score go to the lowest indices, so the set is unique (the GPU top-k picks the same one).
     """
     k = out.shape[1]
     out[...] = -1
@@ -150,7 +151,7 @@ def topk_visible(out: np.ndarray, scores: np.ndarray, n_visible: np.ndarray) -> 
         if n <= k:
             out[t, :n] = np.arange(n)
         else:
-            out[t] = np.argpartition(-scores[t, :n], k - 1)[:k]
+            out[t] = np.argsort(-scores[t, :n], kind="stable")[:k]
 
 
 def sink_attention(out: np.ndarray, q: np.ndarray, kv: np.ndarray, mask: np.ndarray,

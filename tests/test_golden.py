@@ -43,9 +43,13 @@ def test_noqat_matches_reference(official, official_tokens, mode):
     assert rel.max() <= 1e-3, f"worst position {rel.argmax()}: {rel.max():.2e}"
 
 
+@pytest.mark.parametrize("packed_kv", [True, False])
 @pytest.mark.parametrize("mode", ["prefill", "decode", "mixed"])
-def test_qat_matches_reference(official, official_tokens, mode):
-    fw = Forward(official.config, official.weights, qat=True, dtype=np.float32)
+def test_qat_matches_reference(official, official_tokens, mode, packed_kv):
+    """Both kv storages meet the reference's tolerances: exact floats and the GPU's packed
+    format (bf16 rope dims), which the reference does not model."""
+    fw = Forward(official.config, official.weights, qat=True, dtype=np.float32,
+                 packed_kv=packed_kv)
     ref = np.load(os.path.join(OFFICIAL, f"logits_qat_{mode}.npy"))
     out = run_mode(fw, official_tokens, mode)
     rel = rel_l2(out, ref)
@@ -63,10 +67,11 @@ def test_qat_off_differs_from_qat_reference(official, official_tokens):
 
 @pytest.mark.parametrize("qat", [False, True])
 def test_intermediates_match_reference(official, official_tokens, qat):
-    """Router and indexer choices equal the reference's exactly (sets; order is irrelevant)."""
+    """Router and indexer choices equal the reference's exactly (sets; order is irrelevant).
+    Intermediates to 1e-4: full-precision kv storage, as the reference keeps it."""
     tag = "qat" if qat else "noqat"
     dbg = np.load(os.path.join(OFFICIAL, f"debug_{tag}.npz"))
-    fw = Forward(official.config, official.weights, qat=qat, dtype=np.float64)
+    fw = Forward(official.config, official.weights, qat=qat, dtype=np.float64, packed_kv=False)
     trace = {}
     fw.forward(official_tokens, fw.new_state(99), trace=trace)
     for name in dbg.files:
