@@ -2,6 +2,7 @@
 
     indexer_scores   out[N]     = Σ_h w[h] · ReLU(q[h] · key_j)  for j < n_visible, else -inf
     topk             out_idx[k] = the k best j < n_visible (ties: lowest index; -1 pads)
+    topk_chunk       out_idx[T, k] = topk of row t of scores[T, N] among its n_visible[t]
 
 Keys are the 68-byte FP4 records of kvpack.py (DI = 128: 64 bytes of e2m1 nibbles, 4 ue8m0
 scales). ``n_visible`` is a device int32[1] (one per token in the chunk form), so a captured
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from .. import ops
 from . import device, kvpack
@@ -73,10 +74,17 @@ def topk_ref(out_idx, scores, n_visible, k: int) -> None:
     it (ops.topk_visible leaves ties arbitrary; on tie-free scores the two sets agree). With
     n_visible <= k this is 0 .. n_visible-1 followed by -1 padding.
     """
-    n = min(int(n_visible[0]), len(scores))
+    n = max(0, min(int(n_visible[0]), len(scores)))  # (a negative count: none visible)
     order = np.lexsort((np.arange(n), -np.asarray(scores[:n], np.float64)))[:k]
     out_idx[...] = -1
     out_idx[:len(order)] = order
+
+
+def topk_chunk_ref(out_idx, scores, n_visible, k: int) -> None:
+    """Chunk (prefill) form: out_idx[T, k] <- per token t, topk_ref on scores[t] (scores[T, N])
+    with its own visible count n_visible[t]."""
+    for t in range(out_idx.shape[0]):
+        topk_ref(out_idx[t], scores[t], n_visible[t:t + 1], k)
 
 
 # ---- scores: naive ----------------------------------------------------------------------------
@@ -414,6 +422,32 @@ def _block_scan(v, buf):
     return s
 
 
+@_inline
+def _pick_digit(h, base, nb, need, buf, found):
+    """The digit of the ``need``-th largest entry, from the counts h[base + d] of the nb digits:
+    thread t sums the t-th slice of the bins in descending order and a block scan places it.
+    Sets found[0] = the digit, found[1] = the entries in higher bins, found[2] = in its bin;
+    every thread must call it, and reads ``found`` after its closing barrier."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    per = (nb + nt - 1) // nt
+    v = 0
+    for r in range(tid * per, min(nb, tid * per + per)):
+        v += h[base + nb - 1 - r]
+    incl = _block_scan(v, buf)
+    cum = incl - v
+    if cum < need and need <= incl:
+        for r in range(tid * per, min(nb, tid * per + per)):
+            c = h[base + nb - 1 - r]
+            if cum + c >= need:
+                found[0] = nb - 1 - r
+                found[1] = cum
+                found[2] = c
+                break
+            cum += c
+    cuda.syncthreads()
+
+
 @device.kernel
 def _topk_radix_select(out_idx, bits, n_visible, ws):
     """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1]; ws[_WS_LEN] int32 scratch.
@@ -457,23 +491,7 @@ def _topk_radix_select(out_idx, bits, n_visible, ws):
             if hist[i] > 0:
                 cuda.atomic.add(ws, p * _HIST + i, hist[i])
         _grid_barrier(ws, G)
-        # the digit of the k-th largest: thread t sums bins in descending order, t-th slice
-        per = (nb + nt - 1) // nt
-        v = 0
-        for r in range(tid * per, min(nb, tid * per + per)):
-            v += ws[p * _HIST + nb - 1 - r]
-        incl = _block_scan(v, buf)
-        cum = incl - v
-        if cum < need and need <= incl:
-            for r in range(tid * per, min(nb, tid * per + per)):
-                c = ws[p * _HIST + nb - 1 - r]
-                if cum + c >= need:
-                    found[0] = nb - 1 - r
-                    found[1] = cum
-                    found[2] = c
-                    break
-                cum += c
-        cuda.syncthreads()
+        _pick_digit(ws, p * _HIST, nb, need, buf, found)
         prefix |= int(found[0]) << shift
         pmask |= (nb - 1) << shift
         need -= int(found[1])
@@ -547,6 +565,105 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
     _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work)
 
 
+# ---- top-k: chunk form, one block per token ---------------------------------------------------
+# A prefill chunk selects for T tokens at once, each among its own n_visible[t] entries: block t
+# runs the three digit passes above on row t with the histogram in shared memory (no grid
+# barrier, no workspace), then one write-out pass over the row. Entries above the threshold take
+# slots 0 .. k-need-1 through a shared counter; entries equal to it take the last ``need`` slots
+# in index order, ranked by a 0/1 block scan per chunk of blockDim entries: each thread sets its
+# bit in a shared mask and counts the set bits below it (popc), one barrier per chunk. Three
+# masks rotate so a chunk's mask is cleared two barriers before it is reused.
+_EQ_WORDS = 32  # mask words per chunk: blockDim <= 1024
+_EQ_LEN = 3 * _EQ_WORDS  # (a literal for cuda.shared.array)
+
+
+@device.kernel
+def _topk_chunk_radix_select(out_idx, bits, n_visible):
+    """out_idx[T, k] <- bits[T, N] (the scores as uint32), n_visible[T]; a block per row t
+    (grid T), blockDim <= 1024."""
+    k = out_idx.shape[1]
+    t = cuda.blockIdx.x
+    n = min(int(n_visible[t]), bits.shape[1])
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    row = bits[t]
+    out = out_idx[t]
+    if n <= k:  # everything visible is selected (block-uniform branch)
+        for i in range(tid, k, nt):
+            out[i] = i if i < n else -1
+        return
+    hist = cuda.shared.array(_HIST, int32)
+    buf = cuda.shared.array(1024, int32)
+    found = cuda.shared.array(4, int32)  # digit, count above it, count in it; slot counter
+    eqmask = cuda.shared.array(_EQ_LEN, uint32)
+    for i in range(tid, _EQ_LEN, nt):
+        eqmask[i] = 0
+    if tid == 0:
+        found[3] = 0
+    prefix = 0
+    pmask = 0
+    need = k  # how many of the entries matching ``prefix`` still belong to the top k
+    done = False  # the entries matching ``prefix`` are exactly ``need``: all are taken
+    for p in range(3):
+        shift = 21 - 11 * p if p < 2 else 0
+        nb = _HIST if p < 2 else 1024
+        for i in range(tid, nb, nt):
+            hist[i] = 0  # (the previous pass read hist before _pick_digit's last barrier)
+        cuda.syncthreads()
+        for j in range(tid, n, nt):
+            u = _order_key(row[j])
+            if (u & pmask) == prefix:
+                cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+        cuda.syncthreads()
+        _pick_digit(hist, 0, nb, need, buf, found)
+        prefix |= int(found[0]) << shift
+        pmask |= (nb - 1) << shift
+        need -= int(found[1])
+        done = int(found[2]) == need
+        if done:
+            break
+    lane = uint32(tid & 31)
+    below = (uint32(1) << lane) - uint32(1)  # this thread's lower lanes in its mask word
+    run = 0  # entries equal to the threshold in earlier chunks (block-uniform)
+    for c in range((n + nt - 1) // nt):
+        j = c * nt + tid
+        u = (_order_key(row[j]) & pmask) if j < n else -1
+        if u > prefix or (done and u == prefix):
+            out[cuda.atomic.add(found, 3, 1)] = j
+        if not done and run < need:  # block-uniform: run comes from syncthreads_count
+            m = _EQ_WORDS * (c % 3)
+            eq = u == prefix
+            if eq:
+                cuda.atomic.or_(eqmask, m + (tid >> 5), uint32(1) << lane)
+            cnt = cuda.syncthreads_count(int32(1 if eq else 0))
+            if eq:
+                rank = run + int(cuda.popc(eqmask[m + (tid >> 5)] & below))
+                for i in range(tid >> 5):
+                    rank += int(cuda.popc(eqmask[m + i]))
+                if rank < need:
+                    out[k - need + rank] = j
+            # chunk c-1's mask: read before this chunk's barrier, next set in chunk c+2
+            for i in range(tid, _EQ_WORDS, nt):
+                eqmask[_EQ_WORDS * ((c + 2) % 3) + i] = 0
+            run += cnt
+
+
+def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None) -> None:
+    """out_idx[T, k] int32 <- for every token t, the indices of the k largest scores[t, j] f32
+    among j < n_visible[t] (scores[T, N], n_visible[T] int32): the prefill form of ``topk``.
+
+    One launch, one block per token; same tie rule and -1 padding as ``topk``, order within a
+    row arbitrary. No workspace and no host sync, so it can be captured in a graph.
+    """
+    T = scores.shape[0]
+    if out_idx.shape != (T, k):
+        raise ValueError(f"topk_chunk: out_idx is {out_idx.shape}, want ({T}, {k})")
+    if T == 0:
+        return
+    nt = min(threads or TOPK_THREADS, 1024)
+    _topk_chunk_radix_select[T, nt, stream](out_idx, scores.view(np.uint32), n_visible)
+
+
 # ---- CI lane B and the benchmark --------------------------------------------------------------
 _SCORES_SIG = ("void(float32[::1], float32[:, ::1], float32[::1], uint32[:, ::1], uint8[:, ::1], "
                "int32[::1])")
@@ -560,6 +677,7 @@ PTX_SIGNATURES = [
     (_V4_SCORERS[1], _CHUNK_SIG),
     (_topk_rank, "void(int32[::1], float32[::1], int32[::1])"),
     (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1])"),
+    (_topk_chunk_radix_select, "void(int32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 
 
@@ -574,7 +692,8 @@ def random_packed_keys(rng, n: int, DI: int) -> np.ndarray:
 
 
 def bench_cases(stream) -> list[BenchCase]:
-    """V4-Flash shapes: HI = 64, DI = 128, k = 512, N = 262,144 (1M context) and 65,536."""
+    """V4-Flash shapes: HI = 64, DI = 128, k = 512, N = 262,144 (1M context) and 65,536; the
+    prefill top-k over a chunk of T = 512 tokens."""
     rng = np.random.default_rng(0)
     HI, DI, k = 64, 128, 512
     cases = []
@@ -595,4 +714,19 @@ def bench_cases(stream) -> list[BenchCase]:
         cases.append(BenchCase("indexer", f"indexer_scores+topk N={N} HI={HI} k={k}", launch,
                                nbytes, flops=2 * N * HI * (DI + 1),
                                target="<= 150 us" if N == 262_144 else ""))
+    T = 512  # a prefill chunk ending the context: token t sees N - (T-1-t) entries
+    for N in (262_144, 65_536):
+        nv_host = np.arange(N - T + 1, N + 1, dtype=np.int32)
+        scores = rng.standard_normal((T, N), dtype=np.float32)
+        for t in range(T):
+            scores[t, nv_host[t]:] = -np.inf
+        scores = cuda.to_device(scores, stream=stream)
+        nv = cuda.to_device(nv_host, stream=stream)
+        idx = cuda.device_array((T, k), np.int32, stream=stream)
+
+        def launch(idx=idx, scores=scores, nv=nv):
+            topk_chunk(idx, scores, nv, k, stream=stream)
+
+        cases.append(BenchCase("indexer", f"topk_chunk T={T} N={N} k={k}", launch,
+                               4 * int(nv_host.sum()) + nv.nbytes + idx.nbytes))
     return cases

@@ -42,10 +42,10 @@ def test_argmax(naive):
         assert out.copy_to_host()[0] == ref[0]
 
 
-def _sample_cases(rng, V):
+def _sample_cases(rng, V, n=30):
     """(logits, temperature, top_p, u): spread, peaked, tied, and edge u / top_p values."""
     cases = []
-    for i in range(30):
+    for i in range(n):
         logits = (rng.standard_normal(V) * rng.uniform(0.5, 4)).astype(np.float32)
         if i % 4 == 1:  # peaked: one token holds almost all the mass
             logits[rng.integers(V)] += 15
@@ -58,15 +58,55 @@ def _sample_cases(rng, V):
     return cases
 
 
-def test_sample_top_p_matches_reference():
+# The split sampler's chunk is UNROLL * THREADS logits per block: this V runs 3 blocks, the last
+# one partial (556 logits in the simulator, 2092 on a GPU).
+SPLIT_V = 2 * es.UNROLL * THREADS + 44
+
+
+def _check_sample(logits, temperature, top_p, u, naive):
+    ref = es.sample_top_p_ref(None, logits, temperature, top_p, float(u))
+    out = cuda.to_device(np.full(1, -7, np.int32))
+    es.sample_top_p(out, cuda.to_device(logits), temperature, top_p,
+                    cuda.to_device(np.array([u], np.float32)), threads=THREADS, naive=naive)
+    assert out.copy_to_host()[0] == ref, (temperature, top_p, u, naive)
+
+
+@pytest.mark.parametrize("naive,V,n", [(True, 300, 30), (False, SPLIT_V, 14)])
+def test_sample_top_p_matches_reference(naive, V, n):
+    """Both kernels on fresh random cases (the split one over several blocks; fewer cases: each
+    costs 3-6 simulated launches)."""
     rng = fresh_rng()
-    V = 300
-    for logits, temperature, top_p, u in _sample_cases(rng, V):
-        ref = es.sample_top_p_ref(None, logits, temperature, top_p, float(u))
-        out = cuda.to_device(np.full(1, -7, np.int32))
-        es.sample_top_p(out, cuda.to_device(logits), temperature, top_p,
-                        cuda.to_device(np.array([u], np.float32)), threads=THREADS)
-        assert out.copy_to_host()[0] == ref, (temperature, top_p, u)
+    for logits, temperature, top_p, u in _sample_cases(rng, V, n):
+        _check_sample(logits, temperature, top_p, u, naive)
+
+
+def test_sample_top_p_split_edges():
+    """The split kernels where blocks matter: the whole vocabulary tied (every block holds the
+    threshold), the nucleus in the last, partial block only, masked (-inf) logits, tiny
+    temperatures, u at both ends; the workspace is allocated once and reused."""
+    rng = fresh_rng()
+    V = SPLIT_V
+    u_hi = np.float32(1 - 2.0 ** -24)  # the largest float32 below 1
+    tail = np.full(V, -30.0, np.float32)  # all the mass in the last, partial block
+    tail[-40:] = rng.standard_normal(40).astype(np.float32)
+    masked = np.full(V, -np.inf, np.float32)
+    masked[rng.choice(V, 25, replace=False)] = rng.standard_normal(25).astype(np.float32) * 2
+    spread = (rng.standard_normal(V) * 3).astype(np.float32)
+    cases = [(np.zeros(V, np.float32), 1.0, 0.5, np.float32(0.0)),
+             (np.zeros(V, np.float32), 0.7, 0.9, np.float32(rng.uniform())),
+             (tail, 1.0, 0.9, np.float32(rng.uniform())),
+             (tail, 1.3, 1.0, u_hi),
+             (masked, 0.8, 0.9, np.float32(rng.uniform())),
+             (masked, 0.8, 1.0, u_hi),
+             (spread, 0.01, 0.9, np.float32(rng.uniform())),
+             (spread, 0.05, 1.0, np.float32(rng.uniform())),
+             (spread, 1.0, 0.999, np.float32(0.0))]
+    for logits, temperature, top_p, u in cases:
+        _check_sample(logits, temperature, top_p, u, naive=False)
+    work = dict(es._SAMPLE_WORK)
+    _check_sample(spread, 1.0, 0.9, np.float32(0.5), naive=False)
+    assert es._SAMPLE_WORK.keys() == work.keys()
+    assert all(es._SAMPLE_WORK[k] is work[k] for k in work)
 
 
 def test_sample_top_p_ref_semantics():

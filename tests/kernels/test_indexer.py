@@ -131,3 +131,76 @@ def test_topk_reuses_its_workspace():
         scores = rng.normal(size=101).astype(np.float32)
         out, ref = run_topk(scores, n, 16, False, work)
         assert sorted(out) == sorted(ref)
+
+
+def run_topk_chunk(scores, nv, k, threads=THREADS):
+    T = scores.shape[0]
+    out = cuda.to_device(np.full((T, k), -7, np.int32))  # an unwritten slot shows as -7
+    ix.topk_chunk(out, cuda.to_device(scores.astype(np.float32)),
+                  cuda.to_device(np.asarray(nv, np.int32)), k, threads=threads)
+    ref = np.empty((T, k), np.int32)
+    ix.topk_chunk_ref(ref, scores, np.asarray(nv), k)
+    alt = np.empty((T, k), np.int64)  # the model's op: same tie rule, independent code
+    ops.topk_visible(alt, scores.astype(np.float64), np.minimum(nv, scores.shape[1]))
+    out = out.copy_to_host()
+    for t in range(T):
+        assert sorted(out[t]) == sorted(ref[t]) == sorted(alt[t]), f"row {t}, n_visible {nv[t]}"
+    return out, ref
+
+
+def test_topk_chunk_ref_is_topk_ref_per_row():
+    rng = fresh_rng()
+    scores = rng.integers(0, 4, size=(3, 40)).astype(np.float32)
+    nv, k = np.array([0, 9, 40]), 10
+    ref = np.empty((3, k), np.int32)
+    ix.topk_chunk_ref(ref, scores, nv, k)
+    for t in range(3):
+        row = np.empty(k, np.int32)
+        ix.topk_ref(row, scores[t], nv[t:t + 1], k)
+        assert np.array_equal(ref[t], row)
+    assert list(ref[0]) == [-1] * k and sorted(ref[1]) == [-1] + list(range(9))
+
+
+@pytest.mark.parametrize("threads", [THREADS, 48 if SIMULATOR else 1024])
+def test_topk_chunk_ties_and_visible_counts(threads):
+    """Rows with n_visible 0, < k, = k, k + 1, > k and > N; heavy ties, -0/+0 and -inf."""
+    rng = fresh_rng()
+    T, N, k = (6, 400, 24) if SIMULATOR else (6, 100_003, 512)
+    scores = rng.integers(0, 6, size=(T, N)).astype(np.float32) - 2.0  # few values: ties
+    scores[rng.random((T, N)) < 0.05] = -0.0
+    scores[rng.random((T, N)) < 0.1] = -np.inf
+    scores[:, N - 3:] = 1e9  # past n_visible in every row but the last two: never selected
+    nv = np.array([0, k - 5, k, k + 1, N - 3, N + 10])
+    out, ref = run_topk_chunk(scores, nv, k, threads)
+    top = np.sort(scores[4, :N - 3])[::-1]
+    assert top[k - 1] == top[k]  # the k-th value really is tied across the cut
+
+
+def test_topk_chunk_distinct_scores():
+    """Tie-free rows (one to three digit passes), N not a multiple of the block."""
+    rng = fresh_rng()
+    T, N, k = (3, 601, 64) if SIMULATOR else (8, 262_144, 512)
+    scores = rng.normal(size=(T, N)).astype(np.float32) * np.float32(30.0)
+    scores[1] = rng.permutation(N).astype(np.float32)  # integers: long runs of equal high bits
+    nv = np.array([N, N - 100, k + 37])
+    if not SIMULATOR:
+        nv = np.linspace(k + 1, N, T).astype(np.int64)
+    run_topk_chunk(scores, nv, k)
+
+
+def test_topk_chunk_minus_inf_threshold():
+    """Fewer finite entries than k: the top k fill up with -inf entries, lowest index first."""
+    rng = fresh_rng()
+    T, N, k = (3, 300, 16) if SIMULATOR else (3, 50_000, 512)
+    scores = np.full((T, N), -np.inf, np.float32)
+    scores[0, rng.choice(N, k // 2, replace=False)] = rng.normal(size=k // 2)
+    scores[2, rng.choice(N, 3 * k, replace=False)] = rng.normal(size=3 * k)
+    out, ref = run_topk_chunk(scores, np.array([N, N, N - 7]), k)
+    assert sorted(out[1]) == list(range(k))  # all -inf: the first k
+
+
+def test_topk_chunk_checks_k():
+    with pytest.raises(ValueError):
+        ix.topk_chunk(cuda.to_device(np.zeros((2, 4), np.int32)),
+                      cuda.to_device(np.zeros((2, 9), np.float32)),
+                      cuda.to_device(np.array([9, 9], np.int32)), 5)

@@ -1,0 +1,212 @@
+"""Chunked-prefill attention over the packed caches vs its NumPy reference (simulator in CI)."""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pocketfm import ops
+from pocketfm.kernels import attention_prefill as ap
+from pocketfm.kernels import kvpack
+from pocketfm.kernels.attention import random_packed_kv
+from pocketfm.kernels.device import SIMULATOR
+from pocketfm.model import Forward
+
+from .kernel_testing import THREADS, fresh_rng, poisoned, rel_err
+
+K, R = 128, 64  # the V4 entry layout at a generic size: 200-byte entries
+NCAP = 40
+# (pos0, T, W): chunk at the start, inside the first ring, after the ring wrapped, T > W
+POSITIONS = [(0, 3, 4), (2, 3, 4), (9, 3, 4), (3, 6, 4), (21, 3, 16)]
+
+
+def unpack(packed):
+    x = np.empty((len(packed), K), np.float32)
+    kvpack.unpack_kv_ref(x, packed, R)
+    return x
+
+
+def csa_sel(rng, T, S):
+    """Per token a distinct set of rows (0..S of them), -1 elsewhere: padded at the end (as
+    top-k pads) on even tokens, holes scattered on odd ones; token 0 picks none."""
+    sel = np.full((T, S), -1, np.int32)
+    for t in range(T):
+        k = 0 if t == 0 else int(rng.integers(1, S + 1))
+        sel[t, :k] = rng.choice(NCAP, k, replace=False)
+        if t % 2:
+            rng.shuffle(sel[t])
+    return sel
+
+
+def inputs(rng, pos0, T, W, H):
+    return dict(q=rng.normal(size=(T, H, K)).astype(np.float32),
+                win=random_packed_kv(rng, W, K, R), chunk=random_packed_kv(rng, T, K, R),
+                comp=random_packed_kv(rng, NCAP, K, R), pos0=np.array([pos0], np.int32),
+                sinks=rng.normal(size=H).astype(np.float32))
+
+
+def run(x, sel, nvis, hca, naive, threads=THREADS):
+    """(kernel output, float64 reference) for inputs ``x`` and the selection / counts."""
+    T, H, _ = x["q"].shape
+    scale = 1 / math.sqrt(K)
+    ref = np.empty((T, H, K))
+    ap.attention_prefill_ref(ref, x["q"].astype(np.float64), x["win"], x["chunk"], x["comp"],
+                             sel, nvis, hca, x["pos0"], x["sinks"].astype(np.float64), scale)
+    d = {k: cuda.to_device(v) for k, v in dict(x, sel=sel, nvis=nvis).items()}
+    out = poisoned((T, H, K))
+    ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
+                         d["pos0"], d["sinks"], scale, threads=threads, naive=naive)
+    return out.copy_to_host(), ref
+
+
+# ---- the reference against independent constructions -----------------------------------------
+@pytest.mark.parametrize("pos0,T,W", POSITIONS)
+def test_ref_window_matches_the_model(pos0, T, W):
+    """Window-only: the reference's keys and mask are the model's (Forward._window_keys, which
+    also pushes the chunk into the ring exactly as store_chunk_rows_ref does)."""
+    rng = fresh_rng()
+    x = inputs(rng, pos0, T, W, 2)
+    sel, nvis = np.full((T, 1), -1, np.int32), np.zeros(T, np.int32)
+    ref = np.empty((T, 2, K))
+    q = x["q"].astype(np.float64)
+    ap.attention_prefill_ref(ref, q, x["win"], x["chunk"], x["comp"], sel, nvis, 0, x["pos0"],
+                             x["sinks"], 0.1)
+    fwd = SimpleNamespace(cfg=SimpleNamespace(window=W))
+    st = SimpleNamespace(window=unpack(x["win"]))
+    keys, mask = Forward._window_keys(fwd, st, unpack(x["chunk"]), pos0 + np.arange(T))
+    want = np.empty_like(ref)
+    ops.sink_attention(want, q, keys.astype(np.float64), mask, x["sinks"], 0.1)
+    assert rel_err(ref, want) <= 1e-6
+    ring = x["win"].copy()
+    ap.store_chunk_rows_ref(ring, x["chunk"], x["pos0"])
+    assert np.array_equal(unpack(ring), st.window)
+
+
+@pytest.mark.parametrize("hca", [0, 1])
+def test_ref_matches_per_token_key_lists(hca):
+    """Each token's keys listed by position as the spec states them, one sink_attention each."""
+    rng = fresh_rng()
+    pos0, T, W, H = 6, 7, 4, 2
+    x = inputs(rng, pos0, T, W, H)
+    sel = csa_sel(rng, T, 5)
+    nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
+    ref = np.empty((T, H, K))
+    q = x["q"].astype(np.float64)
+    ap.attention_prefill_ref(ref, q, x["win"], x["chunk"], x["comp"], sel, nvis, hca, x["pos0"],
+                             x["sinks"], 0.1)
+    win, chunk, comp = unpack(x["win"]), unpack(x["chunk"]), unpack(x["comp"])
+    for t in range(T):
+        p = pos0 + t
+        keys = [win[kp % W] for kp in range(max(0, p - W + 1), pos0)]
+        keys += [chunk[tt] for tt in range(T) if tt <= t and p - (pos0 + tt) < W]
+        keys += [comp[j] for j in (range(nvis[t]) if hca else sel[t][sel[t] >= 0])]
+        kv = np.stack(keys).astype(np.float64)
+        want = np.empty((1, H, K))
+        ops.sink_attention(want, q[t:t + 1], kv, np.ones((1, len(kv)), bool), x["sinks"],
+                           0.1)
+        assert rel_err(ref[t], want[0]) <= 1e-6
+
+
+# ---- kernels vs the reference -----------------------------------------------------------------
+@pytest.mark.parametrize("naive", [True, False])
+@pytest.mark.parametrize("pos0,T,W", POSITIONS)
+def test_attention_prefill_csa(naive, pos0, T, W):
+    """CSA: -1 padding and holes; S = 24 > KC - W, so some tiles are all holes (skipped)."""
+    rng = fresh_rng()
+    x = inputs(rng, pos0, T, W, 4)
+    sel = csa_sel(rng, T, 24 if W == 4 else 8)
+    nvis = np.full(T, 123456, np.int32)  # garbage: CSA must not read it
+    out, ref = run(x, sel, nvis, 0, naive)
+    assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("naive", [True, False])
+@pytest.mark.parametrize("pos0,T,W", [(0, 3, 4), (30, 6, 4)])
+def test_attention_prefill_hca(naive, pos0, T, W):
+    """HCA: n_comp_visible grows along the chunk (from 0 at the start); sel is ignored."""
+    rng = fresh_rng()
+    x = inputs(rng, pos0, T, W, 4)
+    nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
+    sel = np.full((T, 1), 123456, np.int32)  # garbage: must not be read
+    out, ref = run(x, sel, nvis, 1, naive)
+    assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("naive", [True, False])
+def test_attention_prefill_window_only(naive):
+    """Ratio-0 layers: S = 1, all -1; three heads (the fast path pads a head group)."""
+    rng = fresh_rng()
+    pos0, T, W = 13, 5, 4
+    x = inputs(rng, pos0, T, W, 3)
+    out, ref = run(x, np.full((T, 1), -1, np.int32), np.zeros(T, np.int32), 0, naive)
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_attention_prefill_two_warps():
+    """The fast path with two warps a block (shared tiles feed 4 heads) and a head group cut
+    short (H = 6 over 2 groups of 4)."""
+    rng = fresh_rng()
+    x = inputs(rng, 5, 2, 4, 6)
+    out, ref = run(x, csa_sel(rng, 2, 6), np.zeros(2, np.int32), 0, False, threads=2 * THREADS)
+    assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("pos0,T,W", POSITIONS + [(7, 9, 4)])
+def test_store_chunk_rows(pos0, T, W):
+    rng = fresh_rng()
+    win, chunk = random_packed_kv(rng, W, K, R), random_packed_kv(rng, T, K, R)
+    ref = win.copy()
+    ap.store_chunk_rows_ref(ref, chunk, np.array([pos0], np.int32))
+    d = cuda.to_device(win)
+    ap.store_chunk_rows(d, cuda.to_device(chunk), cuda.to_device(np.array([pos0], np.int32)),
+                        threads=THREADS)
+    assert np.array_equal(d.copy_to_host(), ref)
+
+
+def test_two_chunks_equal_one():
+    """Prefill in two chunks (the ring carried by store_chunk_rows) = one chunk from 0."""
+    rng = fresh_rng()
+    T1, T2, W, H = 5, 3, 4, 2
+    x = inputs(rng, 0, T1 + T2, W, H)
+    hca = 1
+    nvis = np.minimum((np.arange(T1 + T2) + 1) // 2, NCAP).astype(np.int32)
+    sel = np.full((T1 + T2, 1), -1, np.int32)
+    whole = np.empty((T1 + T2, H, K))
+    ap.attention_prefill_ref(whole, x["q"].astype(np.float64), x["win"], x["chunk"], x["comp"],
+                             sel, nvis, hca, x["pos0"], x["sinks"].astype(np.float64),
+                             1 / math.sqrt(K))
+    ring = cuda.to_device(np.zeros_like(x["win"]))  # never read at pos0 = 0
+    ap.store_chunk_rows(ring, cuda.to_device(x["chunk"][:T1]),
+                        cuda.to_device(np.zeros(1, np.int32)), threads=THREADS)
+    out = poisoned((T2, H, K))
+    d = [cuda.to_device(np.ascontiguousarray(a)) for a in
+         (x["q"][T1:], x["chunk"][T1:], x["comp"], sel[T1:], nvis[T1:],
+          np.array([T1], np.int32), x["sinks"])]
+    ap.attention_prefill(out, d[0], ring, d[1], d[2], d[3], d[4], hca, d[5], d[6],
+                         1 / math.sqrt(K), threads=THREADS)
+    assert rel_err(out.copy_to_host(), whole[T1:]) <= 1e-4
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
+@pytest.mark.parametrize("hca", [0, 1])
+def test_attention_prefill_v4_shapes(hca):
+    rng = fresh_rng()
+    H, K4, R4, W4, S4, T, ncap = 64, 512, 64, 128, 512, 40, 1000
+    pos0 = 3000
+    x = dict(q=(rng.normal(size=(T, H, K4)) / 8).astype(np.float32),
+             win=random_packed_kv(rng, W4, K4, R4), chunk=random_packed_kv(rng, T, K4, R4),
+             comp=random_packed_kv(rng, ncap, K4, R4), pos0=np.array([pos0], np.int32),
+             sinks=rng.normal(size=H).astype(np.float32))
+    sel = np.stack([rng.choice(ncap, S4, replace=False) for _ in range(T)]).astype(np.int32)
+    sel[:, 400:] = -1
+    nvis = np.minimum((pos0 + np.arange(T) + 1) // 4, 900).astype(np.int32)
+    ref = np.empty((T, H, K4))
+    ap.attention_prefill_ref(ref, x["q"].astype(np.float64), x["win"], x["chunk"], x["comp"],
+                             sel, nvis, hca, x["pos0"], x["sinks"].astype(np.float64),
+                             1 / math.sqrt(K4))
+    d = {k: cuda.to_device(v) for k, v in dict(x, sel=sel, nvis=nvis).items()}
+    out = poisoned((T, H, K4))
+    ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
+                         d["pos0"], d["sinks"], 1 / math.sqrt(K4))
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
