@@ -20,13 +20,20 @@ DEVICES = ("cpu", "cuda")
 
 
 def resolve_device(device: str | None) -> str:
-    """``None``/"auto" picks cpu until the CUDA backend lands; "cuda" says clearly it is not here."""
-    if device in (None, "auto", "cpu"):
+    """``None``/"auto": cuda when a CUDA GPU is present, else cpu. "cuda" without a GPU (and
+    outside Numba's CUDA simulator) is a clear error."""
+    if device == "cpu":
         return "cpu"
-    if device == "cuda":
-        raise InputError("--device cuda: the CUDA backend is not implemented yet in this version "
-                         "of pocketfm; use --device cpu")
-    raise InputError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if device not in (None, "auto", "cuda"):
+        raise InputError(f"--device {device!r}: expected one of auto, {', '.join(DEVICES)}")
+    from numba import cuda
+
+    from .kernels.device import SIMULATOR
+    present = SIMULATOR or cuda.is_available()
+    if device == "cuda" and not present:
+        raise InputError("--device cuda: no CUDA GPU found (numba.cuda.is_available() is "
+                         "false); use --device cpu")
+    return "cuda" if present and (device == "cuda" or not SIMULATOR) else "cpu"
 
 
 def sample_top_p_ref(out_id, logits, temperature: float, top_p: float, u) -> int:
@@ -63,7 +70,13 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float,
     """Argmax at temperature 0 (ties to the lowest id); otherwise one draw of u from ``rng``."""
     if temperature <= 0.0:
         return int(np.argmax(logits))
-    return sample_top_p_ref(None, logits, temperature, top_p, rng.random())
+    return sample_top_p_ref(None, logits, temperature, top_p, draw_uniform(rng))
+
+
+def draw_uniform(rng: np.random.Generator, n: int | None = None):
+    """The sampling uniform(s) as float32 — the GPU keeps them in float32, so both backends
+    sample with the very same u (n at once equals n single draws)."""
+    return rng.random(n).astype(np.float32) if n else np.float32(rng.random())
 
 
 @dataclass
@@ -101,10 +114,25 @@ class Model:
     def __init__(self, path: str, device: str | None = None, qat: bool = True,
                  dtype=np.float32):
         self.device = resolve_device(device)
+        if self.device == "cuda" and not qat and device in (None, "auto"):
+            self.device = "cpu"  # auto: --no-qat runs where it can
+        if self.device == "cuda" and not qat:
+            raise InputError("--no-qat: the CUDA backend stores the packed FP8/FP4 caches, which "
+                             "need QAT on; run --no-qat with --device cpu")
         self.file = load_gguf(path)
         self.path, self.config, self.weights = path, self.file.config, self.file.weights
         self.tokenizer = Tokenizer.from_metadata(self.file.meta)
         self.forward = Forward(self.config, self.weights, qat=qat, dtype=dtype)
+        self._engine = None
+
+    def engine(self, capacity: int, progress=None):
+        """The CUDA decode engine (weights uploaded on first use) for ``capacity`` tokens."""
+        from .engine.decode import DecodeEngine
+
+        if self._engine is None or self._engine.capacity < capacity:
+            self._engine = None  # free the old caches first
+            self._engine = DecodeEngine(self.config, self.weights, capacity, progress=progress)
+        return self._engine
 
     def new_state(self, capacity: int) -> RunState:
         return self.forward.new_state(capacity)
@@ -112,6 +140,14 @@ class Model:
     def logits(self, tokens, chunk: int | None = None) -> np.ndarray:
         """Teacher-forced logits [T, vocab] of every position, from position 0 and a fresh state."""
         tokens = self._check_ids(tokens)
+        if self.device == "cuda":  # one step per token, logits read back after each
+            eng = self.engine(len(tokens))
+            eng.start(list(tokens))
+            out = []
+            for _ in tokens:
+                eng.step(graph=False)
+                out.append(eng.read_logits())
+            return np.stack(out)
         state = self.new_state(len(tokens))
         chunk = chunk or len(tokens)
         parts = [self.forward.forward(tokens[i:i + chunk], state)
@@ -131,11 +167,12 @@ class Model:
     def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, ctx: int | None = None, chat: bool = False,
                  prefill_chunk: int = 512, stop_at_eos: bool = True,
-                 on_token=None) -> GenerationResult:
+                 on_token=None, progress=None) -> GenerationResult:
         """Prefill ``prompt`` in chunks, then decode up to ``max_tokens`` tokens.
 
         ``ctx`` is the run's context capacity (prompt + generated); by default the prompt plus
-        ``max_tokens``, capped by the model's trained context. ``on_token(id)`` streams ids.
+        ``max_tokens``, capped by the model's trained context. ``on_token(id)`` streams ids;
+        ``progress(done, total, what)`` reports the GPU weight upload (device cuda).
         """
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
@@ -144,6 +181,15 @@ class Model:
         if len(ids) > ctx:
             raise InputError(f"prompt: {len(ids)} tokens is longer than --ctx {ctx}")
         rng = np.random.default_rng(seed)
+        if self.device == "cuda":
+            eng = self.engine(ctx, progress)
+            r = eng.generate(ids, max_tokens, temperature, top_p,
+                             draw_uniform(rng, max_tokens) if temperature > 0 else None,
+                             self.tokenizer.eos_id if stop_at_eos else None, on_token)
+            out, stop = r["tokens"], r["stop"]
+            text_ids = out[:-1] if stop == "eos" else out
+            return GenerationResult(out, self.tokenizer.decode(text_ids), len(ids),
+                                    r["prefill_s"], r["decode_s"], r["decode_steps"], stop)
         state = self.new_state(ctx)
         t0 = time.perf_counter()
         for i in range(0, len(ids), prefill_chunk):

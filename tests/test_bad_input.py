@@ -171,9 +171,19 @@ def test_chat_without_chat_tokens(official_path):
     assert_one_line_error(code, err, "<｜User｜>")
 
 
-def test_cuda_not_yet(official_path):
+def test_cuda_without_a_gpu(official_path, monkeypatch):
+    from numba import cuda
+
+    import pocketfm.kernels.device as device
+    monkeypatch.setattr(device, "SIMULATOR", False)
+    monkeypatch.setattr(cuda, "is_available", lambda: False)
     code, _, err = cli("run", "--model", official_path, "--device", "cuda")
-    assert_one_line_error(code, err, "--device cuda")
+    assert_one_line_error(code, err, "--device cuda", "no CUDA GPU")
+
+
+def test_cuda_needs_qat(official_path):
+    code, _, err = cli("run", "--model", official_path, "--device", "cuda", "--no-qat")
+    assert_one_line_error(code, err, "--no-qat", "--device cpu")
 
 
 def test_make_model_bad_preset_and_unwritable(tmp_path):

@@ -63,7 +63,9 @@ def compressor_chunk_ref(state_kv, state_score, a, g, ape, pos0, ratio, overlap,
     R = 2 * len(freqs)
     cfg = tiny().replace(head_dim=max(d, R), rope_dim=R, rms_eps=float(rms_eps),
                          index_dim=d if indexer else 64)
-    fw = Forward(cfg, None, qat=mode in (MODE_KV_FP8, MODE_INDEX_FP4), dtype=out_entries.dtype)
+    # packed_kv off: out_entries are the float entries; out_packed applies the bf16 rounding
+    fw = Forward(cfg, None, qat=mode in (MODE_KV_FP8, MODE_INDEX_FP4), dtype=out_entries.dtype,
+                 packed_kv=False)
     fw.freq_compressed = np.asarray(freqs, np.float64)
     pos = int(pos0[0]) + np.arange(a.shape[0])
     gs = g + ape[pos % ratio]  # Forward._compressor_inputs

@@ -183,13 +183,14 @@ def gpu_available() -> bool:
     return not SIMULATOR and cuda.is_available()
 
 
-def capture_graph(launches, stream):
+def capture_graph(launches, stream, warm: bool = True):
     """Capture ``launches`` (zero-argument callables launching on ``stream``) as one CUDA graph;
     returns a zero-argument ``replay`` (gpu_notes §7: ~1.2 µs per kernel on replay instead of
     20-120 µs per Python launch).
 
-    Each launch runs once first so that compilation, module load and any lazy allocation happen
-    outside the capture. The graph holds raw device pointers, so ``replay`` keeps the launch
+    With ``warm`` each launch runs once first so that compilation, module load and any lazy
+    allocation happen outside the capture (``warm=False`` when running them would change state
+    the caller keeps: the caller has run them already). The graph holds raw device pointers, so ``replay`` keeps the launch
     callables — and through them every array they use — alive for as long as it lives.
     """
     from cuda.bindings import driver as drv
@@ -200,7 +201,7 @@ def capture_graph(launches, stream):
         return result[1] if len(result) > 1 else None
 
     launches = list(launches)
-    for launch in dict.fromkeys(launches):  # warm each distinct callable once
+    for launch in dict.fromkeys(launches) if warm else ():  # warm each distinct callable once
         launch()
     stream.synchronize()
     h = stream.handle

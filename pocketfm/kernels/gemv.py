@@ -244,6 +244,27 @@ def _named(fn, name):
     return kernel(fn)
 
 
+def _thread_per_row_kernel(ty: _Type):
+    EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
+    HAS_SCALE = ty.sblock > 0
+
+    def k(out, wq, ws, x, ids, per_token, K):
+        # grid (N / threads, T): one thread per output element, serial over its row. Slow on a
+        # GPU (uncoalesced); the cheapest path in the simulator, where every thread is Python.
+        n, t = cuda.grid(1), cuda.blockIdx.y
+        if n >= out.shape[1]:
+            return
+        e = ids[t] if per_token else 0
+        acc = np.float32(0)
+        for j in range(K // EPW):
+            w = wq[e, n, j]
+            s = np.float32(ws[e, n, j * EPW // SB]) if HAS_SCALE else np.float32(1)
+            for i in range(EPW):
+                acc += (dq(w, i) * s) * x[t, j * EPW + i]
+        out[t, n] = acc
+    return _named(k, f"_gemv_{ty.name}_thread_per_row")
+
+
 def _naive_kernel(ty: _Type):
     EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
     HAS_SCALE = ty.sblock > 0
@@ -547,6 +568,7 @@ _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
 # float kernel, while 4096 x 8192 (one group per block) ran 67 µs against 32 µs.
 DP4A_MIN_GROUPS_PER_BLOCK = 16
 _TYPES = {ty.qtype: ty for ty in (_F32, _F16, _BF16, _Q8_0)}
+_ROWS = {ty.qtype: _thread_per_row_kernel(ty) for ty in (_F32, _F16, _BF16, _Q8_0)}
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -560,6 +582,14 @@ def _dummies():
         _STATE["ids"] = cuda.to_device(np.zeros(1, np.int32))
         _STATE["scale"] = cuda.to_device(np.zeros((1, 1, 1), np.float16))
     return _STATE["ids"], _STATE["scale"]
+
+
+def simulator_prefers_rows(on: bool = True) -> None:
+    """In the simulator, run every automatic choice through the thread-per-row kernel: each
+    simulated thread is a Python thread, and it does the least work there (~20x faster than
+    the decode kernels, whose own tests cover them). The engine's simulator runs use it; no
+    effect on a GPU."""
+    _STATE["sim_rows"] = bool(on)
 
 
 def _max_blocks(threads: int) -> int:
@@ -585,12 +615,18 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
     B = 1 if per_token else T
     EC = 4 * ty.epw
     auto = method is None
-    if auto:
+    if auto and SIMULATOR and _STATE.get("sim_rows"):
+        method = "rows"
+    elif auto:
         limit = DECODE_MAX_IDS if per_token else DECODE_MAX_TOKENS
         fits = K % EC == 0 and K // EC <= 32 * 32 * _decode_shape(ty, min(B, limit))[0]
         method = "decode" if T <= limit and fits else "batched"
     if method == "naive":
         kern.naive[(N, T), threads or 128, stream](out, w.planes[0], ws, x, ids_arg, per_token, K)
+    elif method == "rows":
+        nt = threads or 128
+        _ROWS[ty.qtype][(cdiv(N, nt), T), nt, stream](out, w.planes[0], ws, x, ids_arg,
+                                                       per_token, K)
     elif method in ("decode", "dp4a"):
         cpl, R = _decode_shape(ty, B)  # Q8_0 at B = 1: (2, 4), the dp4a kernel's shape too
         nchunk = K // EC
@@ -669,6 +705,7 @@ def _signatures():
         h = head.format(np.dtype(ty.wdtype).name)
         ks = _KERNELS[ty.qtype]
         yield ks.naive, h + "int64, int64)"
+        yield _ROWS[ty.qtype], h + "int64, int64)"
         for kd in [*ks.decode.values(), *([ks.dp4a] if ks.dp4a else [])]:
             yield kd, h + "int64, int64, int64, int64, int64)"
         yield ks.batched, h + "int64, int64, int64, int64)"

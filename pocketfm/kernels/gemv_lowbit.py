@@ -391,6 +391,15 @@ _NO_IDS = []  # the 1-element dummy ids array ([0]: every token uses expert 0), 
 _RESIDENT = {}  # (type, threads) -> decode blocks the whole GPU holds at once
 
 
+_FLOAT_X = []  # non-empty: decode through the float block-per-row kernel (float32 x)
+
+
+def decode_with_float_x(on: bool = True) -> None:
+    """Diagnostics: decode with float32 x (the block-per-row kernel, several times slower)
+    instead of the dp4a kernels' 15-bit x, to tell their rounding from anything else."""
+    _FLOAT_X[:] = [True] if on else []
+
+
 def _no_ids():
     if not _NO_IDS:
         _NO_IDS.append(cuda.to_device(np.zeros(1, np.int32)))
@@ -445,7 +454,7 @@ def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | No
     nt = decode_threads(spec, K, threads)
     if how is None:
         how = "decode" if (ids is not None or T <= DECODE_MAX_TOKENS) else "gemm"
-        how = "naive" if how == "decode" and nt is None else how
+        how = "naive" if how == "decode" and (nt is None or _FLOAT_X) else how
     if how == "naive":
         nt = min(_pow2_floor(threads or 128), 1024)
         spec.naive[(N, T), nt, stream](out, w.planes, x, ids_arr)

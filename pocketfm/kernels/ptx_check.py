@@ -15,17 +15,20 @@ import time
 from . import FAMILIES
 
 
+ENGINE_MODULES = ("pocketfm.engine.step_kernels", "pocketfm.engine.synthetic_weights")  # kernels outside the op families
+
+
 def all_signatures():
-    """(module, kernel, signature) for every kernel of every family."""
-    for fam in FAMILIES:
+    """(module, kernel, signature) for every kernel of every family and of the engine."""
+    for name in [f"pocketfm.kernels.{fam}" for fam in FAMILIES] + list(ENGINE_MODULES):
         try:
-            mod = importlib.import_module(f"pocketfm.kernels.{fam}")
+            mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name == f"pocketfm.kernels.{fam}":
+            if e.name == name:
                 continue  # family not written yet
             raise
         for kern, sig in getattr(mod, "PTX_SIGNATURES", []):
-            yield fam, kern, sig
+            yield name.rsplit(".", 1)[-1], kern, sig
 
 
 class _FakeDevice:

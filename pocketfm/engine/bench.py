@@ -1,0 +1,116 @@
+"""``pocketfm bench``: decode speed of a model geometry at a given context, no file needed.
+
+Weights come from ``SyntheticSource`` (the make-model type mix, made on the GPU). The context
+is a synthetic fill of the caches, documented here because it stands in for a prefill: every
+layer's window ring, compressed entries and indexer keys hold valid random packed entries for
+``ctx`` positions and the step counter starts at ``ctx``. The decode work is then exactly that
+of a real run at that context — the same kernels over the same number of entries (the indexer
+scores all ctx/4 keys and attends its top 512; HCA attends all ctx/128 entries) — only the
+values differ. The step is timed as CUDA-graph replays with CUDA events.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from numba import cuda
+
+from ..config import ModelConfig
+from ..kernels import device
+from ..kernels.attention import random_packed_kv
+from ..kernels.indexer import random_packed_keys
+from . import step_kernels as sk
+from .decode import DecodeEngine
+from .synthetic_weights import POOL_ROWS, SyntheticSource, tile_rows
+
+
+def fill_caches(eng: DecodeEngine, ctx: int, seed: int = 0) -> None:
+    """Valid random packed entries in every cache row; the next step is position ``ctx``."""
+    cfg, s = eng.cfg, eng.stream
+    rng = np.random.default_rng(seed)
+    kv_pool = cuda.to_device(random_packed_kv(rng, POOL_ROWS, cfg.head_dim, cfg.rope_dim)
+                             .view(np.uint32), stream=s)
+    key_pool = cuda.to_device(random_packed_keys(rng, POOL_ROWS, cfg.index_dim)
+                              .view(np.uint32), stream=s)
+    for i, c in enumerate(eng.caches):
+        c.reset(s)
+        for a, pool in ((c.window, kv_pool), (c.comp, kv_pool), (c.index_keys, key_pool)):
+            if a is not None:
+                tile_rows(a.view(np.uint32), pool, 31 * i + a.shape[0], s)
+    meta = np.zeros(eng.meta.shape, np.int32)
+    meta[sk.META_POS] = ctx
+    eng.meta.copy_to_device(meta, stream=s)
+    eng.ids.copy_to_device(np.zeros(eng.ids.shape, np.int32), stream=s)
+    s.synchronize()
+
+
+def bytes_per_token(eng: DecodeEngine, ctx: int) -> dict:
+    """Bytes one decode step at context ``ctx`` must read, by component (ideal: once each)."""
+    cfg, w = eng.cfg, eng.w
+    k_frac = cfg.n_experts_used / cfg.n_experts
+    weights = w.output.nbytes + w.embed.nbytes // w.embed.shape[0]
+    experts = 0
+    for L in w.layers:
+        for name, v in vars(L).items():
+            if v is None or name == "freqs":
+                continue
+            parts = v if isinstance(v, tuple) else (v,)
+            n = sum(int(p.nbytes) for p in parts)
+            if name in ("gate_up", "down"):
+                experts += int(n * k_frac)
+            elif name != "tid2eid":
+                weights += n
+    kv = 0
+    B = eng.kv_row.shape[1]
+    for i, c in enumerate(eng.caches):
+        kv += cfg.window * B
+        if cfg.is_csa(i):
+            n = ctx // c.ratio
+            kv += n * c.index_keys.shape[1] + min(n, cfg.index_topk) * B
+        elif c.ratio:
+            kv += (ctx // c.ratio) * B
+    return dict(weights=weights, routed_experts=experts, kv_and_index=kv,
+                total=weights + experts + kv)
+
+
+def _timed(work, stream) -> float:
+    """Milliseconds of GPU time for ``work`` by CUDA events (wall time in the simulator)."""
+    if device.SIMULATOR:
+        t0 = time.perf_counter()
+        work()
+        return (time.perf_counter() - t0) * 1e3
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(stream)
+    work()
+    e1.record(stream)
+    e1.synchronize()
+    return cuda.event_elapsed_time(e0, e1)
+
+
+def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
+              progress=None) -> dict:
+    """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, time ``tokens`` steps."""
+    free0, total = cuda.current_context().get_memory_info()
+    t0 = time.perf_counter()
+    stream = cuda.stream()
+    eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream), ctx + tokens + 2,
+                       stream=stream, progress=progress)
+    build_s = time.perf_counter() - t0
+    fill_caches(eng, ctx, seed)
+    t0 = time.perf_counter()
+    eng.step()  # eager: compiles every kernel, allocates the lazy scratch
+    eng.stream.synchronize()
+    first_s = time.perf_counter() - t0
+    eng.step()  # captures the graph (on a GPU) and replays it once
+    step_ms = _timed(lambda: [eng.step() for _ in range(tokens)], stream) / tokens
+    free1, _ = cuda.current_context().get_memory_info()
+    nb = bytes_per_token(eng, ctx)
+    used = None if device.SIMULATOR else int(free0 - free1)  # (the simulator has no memory)
+    return dict(
+        preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
+        decode_tok_s=1e3 / step_ms, step_ms=step_ms,
+        bytes_per_token=nb, achieved_gbs=nb["total"] / step_ms / 1e6,
+        gpu_bytes=dict(weights=eng.w.nbytes, kv_caches=eng.cache_bytes,
+                       workspace_and_other=used and used - eng.w.nbytes - eng.cache_bytes,
+                       total=used),
+        build_s=build_s, first_step_s=first_s)

@@ -1,0 +1,126 @@
+"""The decode step's bookkeeping on the device, so that a captured graph replays every step.
+
+A decode step reads everything that changes from token to token out of one small int32 array,
+``meta``, and the token ids ``ids[capacity + 1]`` (the prompt, then the sampled tokens)::
+
+    meta[0]  pos        position of this step's token
+    meta[1]  n_prompt   prompt length: steps at pos < n_prompt - 1 only ingest
+    meta[2]  n_window   window entries visible now, min(pos + 1, W)
+    meta[3+i]           compressed entries emitted so far for ratio i, (pos + 1) // ratios[i]
+
+``begin_step`` derives meta[2:], the step's token and its sampling uniform from ``pos``;
+``end_step`` stores the sampled id as the next token (once the prompt is consumed) and advances
+``pos``. ``store_row`` writes the step's packed kv entry into the window ring at pos mod W.
+Each kernel has a NumPy twin with the same signature (tests).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, int32
+
+from ..kernels import device
+from ..kernels.device import cdiv
+
+META_POS, META_PROMPT, META_WINDOW, META_RATIOS = 0, 1, 2, 3
+
+
+# ---- NumPy references ---------------------------------------------------------------------------
+def begin_step_ref(meta, ids, token, u, uniforms, ratios, window: int) -> None:
+    """token[0] = ids[pos]; u[0] = uniforms[pos + 1 - n_prompt] (0 outside the table);
+    meta[2] = min(pos + 1, window); meta[3 + i] = (pos + 1) // ratios[i]."""
+    pos = int(meta[META_POS])
+    token[0] = ids[pos]
+    j = pos + 1 - int(meta[META_PROMPT])
+    u[0] = uniforms[j] if 0 <= j < len(uniforms) else 0.0
+    meta[META_WINDOW] = min(pos + 1, window)
+    for i, r in enumerate(ratios):
+        meta[META_RATIOS + i] = (pos + 1) // int(r)
+
+
+def end_step_ref(meta, ids, next_token) -> None:
+    """ids[pos + 1] = next_token[0] once pos + 1 >= n_prompt (inside ids); pos += 1."""
+    pos = int(meta[META_POS])
+    if pos + 1 >= int(meta[META_PROMPT]) and pos + 1 < len(ids):
+        ids[pos + 1] = next_token[0]
+    meta[META_POS] = pos + 1
+
+
+def store_row_ref(ring, row, meta) -> None:
+    """ring[pos mod W] = row[0] (uint8 rows)."""
+    ring[int(meta[META_POS]) % ring.shape[0]] = row[0]
+
+
+def scale_ref(x, c: float) -> None:
+    """x[0, :] *= c in place."""
+    x *= np.float32(c)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+@device.kernel
+def _begin_step(meta, ids, token, u, uniforms, ratios, window):
+    if cuda.grid(1) != 0:
+        return
+    pos = meta[0]
+    token[0] = ids[pos]
+    j = pos + 1 - meta[1]
+    u[0] = uniforms[j] if j >= 0 and j < uniforms.shape[0] else np.float32(0.0)
+    meta[2] = min(pos + 1, window)
+    for i in range(ratios.shape[0]):
+        meta[3 + i] = (pos + 1) // ratios[i]
+
+
+@device.kernel
+def _end_step(meta, ids, next_token):
+    if cuda.grid(1) != 0:
+        return
+    pos = meta[0]
+    if pos + 1 >= meta[1] and pos + 1 < ids.shape[0]:
+        ids[pos + 1] = next_token[0]
+    meta[0] = pos + 1
+
+
+@device.kernel
+def _store_row(ring, row, meta):
+    slot = meta[0] % ring.shape[0]
+    i = cuda.grid(1)
+    if i < ring.shape[1]:
+        ring[slot, i] = row[0, i]
+
+
+@device.kernel
+def _scale(x, c):
+    i = cuda.grid(1)
+    if i < x.shape[1]:
+        x[0, i] *= c
+
+
+# ---- launchers ----------------------------------------------------------------------------------
+def begin_step(meta, ids, token, u, uniforms, ratios, window: int, stream=0) -> None:
+    """meta int32 [3 + len(ratios)], ids int32 [cap + 1], token int32 [1], u float32 [1],
+    uniforms float32 [n], ratios int32 [r] (device arrays)."""
+    _begin_step[1, 32, stream](meta, ids, token, u, uniforms, ratios, int32(window))
+
+
+def end_step(meta, ids, next_token, stream=0) -> None:
+    _end_step[1, 32, stream](meta, ids, next_token)
+
+
+def store_row(ring, row, meta, stream=0) -> None:
+    """ring uint8 [W, bytes], row uint8 [1, bytes]."""
+    nt = 128
+    _store_row[cdiv(ring.shape[1], nt), nt, stream](ring, row, meta)
+
+
+def scale(x, c: float, stream=0) -> None:
+    """x float32 [1, n] *= c."""
+    nt = 128
+    _scale[cdiv(x.shape[1], nt), nt, stream](x, np.float32(c))
+
+
+PTX_SIGNATURES = [
+    (_begin_step, "void(int32[::1], int32[::1], int32[::1], float32[::1], float32[::1], "
+                  "int32[::1], int32)"),
+    (_end_step, "void(int32[::1], int32[::1], int32[::1])"),
+    (_store_row, "void(uint8[:, ::1], uint8[:, ::1], int32[::1])"),
+    (_scale, "void(float32[:, ::1], float32)"),
+]

@@ -1,0 +1,55 @@
+"""The decode step's bookkeeping kernels against their NumPy twins (engine/step_kernels.py)."""
+import numpy as np
+from numba import cuda
+
+from .kernel_testing import fresh_rng
+from pocketfm.engine import step_kernels as sk
+
+
+def test_begin_and_end_step_walk_a_prompt_then_generate():
+    rng = fresh_rng()
+    cap, n_prompt, W, ratios = 12, 5, 4, np.array([4, 8], np.int32)
+    ids = np.zeros(cap + 1, np.int32)
+    ids[:n_prompt] = rng.integers(0, 100, n_prompt)
+    uniforms = rng.random(cap).astype(np.float32)
+    meta = np.zeros(sk.META_RATIOS + 2, np.int32)
+    meta[sk.META_PROMPT] = n_prompt
+    d_meta, d_ids = cuda.to_device(meta), cuda.to_device(ids)
+    d_uni, d_ratios = cuda.to_device(uniforms), cuda.to_device(ratios)
+    d_tok, d_u, d_next = (cuda.to_device(np.zeros(1, t)) for t in (np.int32, np.float32, np.int32))
+    tok, u = np.zeros(1, np.int32), np.zeros(1, np.float32)
+    for p in range(cap):
+        sk.begin_step(d_meta, d_ids, d_tok, d_u, d_uni, d_ratios, W)
+        sk.begin_step_ref(meta, ids, tok, u, uniforms, ratios, W)
+        assert np.array_equal(d_meta.copy_to_host(), meta)
+        assert d_tok.copy_to_host()[0] == tok[0] == ids[p]
+        assert d_u.copy_to_host()[0] == u[0]
+        nxt = np.array([rng.integers(100, 200)], np.int32)
+        d_next.copy_to_device(nxt)
+        sk.end_step(d_meta, d_ids, d_next)
+        sk.end_step_ref(meta, ids, nxt)
+        assert np.array_equal(d_ids.copy_to_host(), ids)
+        assert np.array_equal(d_meta.copy_to_host(), meta)
+    assert meta[sk.META_POS] == cap and np.all(ids[n_prompt:] >= 100)  # prompt kept, rest sampled
+    assert meta[sk.META_WINDOW] == W and list(meta[sk.META_RATIOS:]) == [cap // 4, cap // 8]
+
+
+def test_store_row_writes_the_ring_slot_of_pos():
+    rng = fresh_rng()
+    ring = rng.integers(0, 256, (5, 40), dtype=np.uint8)
+    row = rng.integers(0, 256, (1, 40), dtype=np.uint8)
+    for pos in (3, 7, 10):
+        meta = np.array([pos, 0, 0], np.int32)
+        d_ring = cuda.to_device(ring)
+        sk.store_row(d_ring, cuda.to_device(row), cuda.to_device(meta))
+        sk.store_row_ref(ring, row, meta)
+        assert np.array_equal(d_ring.copy_to_host(), ring)
+        assert np.array_equal(ring[pos % 5], row[0])
+
+
+def test_scale():
+    x = fresh_rng().standard_normal((1, 150)).astype(np.float32)
+    d = cuda.to_device(x)
+    sk.scale(d, 0.125)
+    sk.scale_ref(x, 0.125)
+    assert np.array_equal(d.copy_to_host(), x)

@@ -1,0 +1,31 @@
+"""`pocketfm bench`: bad input, and one simulated run of the tiny geometry (the GPU numbers are
+in BENCHMARKS.md; here the command's plumbing: weights made on the device, cache fill, JSON)."""
+import json
+
+from click.testing import CliRunner
+
+from pocketfm.cli import main
+
+
+def bench(*args):
+    res = CliRunner().invoke(main, ["bench", *args])
+    return res.exit_code, res.stdout, res.stderr
+
+
+def test_bench_context_beyond_the_model():
+    code, _, err = bench("--preset", "tiny", "--ctx", "5000")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --ctx 5000"), err
+
+
+def test_bench_tiny_in_the_simulator():
+    code, out, err = bench("--preset", "tiny", "--ctx", "40", "--tokens", "1", "--json")
+    assert code == 0, err
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["ctx"] == 40 and r["decode_tok_s"] > 0
+    nb = r["bytes_per_token"]
+    # tiny at ctx 40, 200-byte entries and 36-byte keys: 5 windows of 16 entries; 2 CSA layers
+    # attending their top 8 of 10 entries after scoring all 10 keys; 1 HCA layer reading 5
+    assert nb["kv_and_index"] == 200 * (5 * 16 + 2 * 8 + 5) + 2 * 10 * 36
+    assert nb["total"] == nb["weights"] + nb["routed_experts"] + nb["kv_and_index"]
+    assert r["gpu_bytes"]["weights"] > nb["weights"] > 0
