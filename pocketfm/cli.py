@@ -73,7 +73,7 @@ def main():
 
     \b
     Start here:
-      pocketfm run --prompt "Hello"          # embedded tiny model, CPU
+      pocketfm run --prompt "Hello"          # embedded tiny model (CPU works)
       pocketfm run --model FILE.gguf --ctx 4096 --prompt-file notes.txt
       pocketfm run --model FILE.gguf --device cuda --ctx 65536 --prompt-file notes.txt
       pocketfm inspect FILE.gguf             # metadata, tensor table, bytes by type
@@ -197,14 +197,16 @@ def inspect(path, all_keys):
 @click.option("--preset", "preset_name", type=click.Choice(["tiny", "small", "flash"]),
               default="flash", show_default=True, help="Model geometry (no file needed).")
 @click.option("--ctx", type=click.IntRange(min=1), default=262144, show_default=True,
-              help="Context the decode runs at (filled synthetically; see below).")
+              help="Context the decode runs at (the caches are filled synthetically).")
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Decode steps timed.")
 @click.option("--quant", type=click.Choice(["f32", "q8_0", "ds4-q2"]), default="ds4-q2",
               show_default=True, help="Tensor type mix of the synthetic weights.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weight seed.")
+@click.option("--profile", is_flag=True,
+              help="Also time one step call by call (GPU ms per launcher, GEMVs per weight).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(preset_name, ctx, tokens, quant, seed, as_json):
+def bench(preset_name, ctx, tokens, quant, seed, profile, as_json):
     """Decode speed on the GPU at a model geometry and context, with no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -216,7 +218,7 @@ def bench(preset_name, ctx, tokens, quant, seed, as_json):
     from .presets import preset
 
     cfg = preset(preset_name)
-    if ctx + tokens + 2 > cfg.ctx_train:
+    if ctx + tokens + 3 > cfg.ctx_train:
         raise InputError(f"--ctx {ctx}: with --tokens {tokens} exceeds the {preset_name} "
                          f"context_length {cfg.ctx_train}")
     resolve_device("cuda")
@@ -225,7 +227,7 @@ def bench(preset_name, ctx, tokens, quant, seed, as_json):
     def progress(done, total, name):
         click.echo(f"\rbuilding weights on the GPU: {done}/{total} ({name})" + " " * 8,
                    nl=done == total, err=True)
-    r = run_bench(cfg, ctx, tokens, quant, seed, progress)
+    r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, **r)))
         return
@@ -237,6 +239,11 @@ def bench(preset_name, ctx, tokens, quant, seed, as_json):
     click.echo(f"GPU memory: weights {gb['weights'] / 2**30:.2f} GiB, KV caches "
                f"{gb['kv_caches'] / 2**30:.2f} GiB, workspace+other "
                + ("n/a (simulator)" if other is None else f"{other / 2**30:.2f} GiB"))
+    if "profile_ms" in r:
+        click.echo(f"one step, GPU time by launcher, each call timed alone as a graph "
+                   f"({r['profile_sum_ms']:.2f} ms in all):")
+        for name, ms in r["profile_ms"].items():
+            click.echo(f"  {name:<28} {ms:8.3f} ms")
 
 
 @main.command("make-model")

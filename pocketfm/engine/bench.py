@@ -87,13 +87,56 @@ def _timed(work, stream) -> float:
     return cuda.event_elapsed_time(e0, e1)
 
 
+PROFILED = ("hc_pre", "hc_post", "hc_head", "rmsnorm", "rope", "attention_decode", "kv_pack",
+            "hadamard_fp4", "compressor_step", "indexer_scores", "topk", "moe_layer", "embed",
+            "argmax", "sample_top_p", "broadcast_rows", "gemv")
+
+
+def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
+    """GPU milliseconds per launcher (GEMVs per weight) in one step. Each call of the step is
+    recorded, then captured alone as a graph of ``repeats`` copies and timed by CUDA events
+    (as bin/bench-kernels does): timing eager launches would measure Python, not the GPU."""
+    from collections import Counter
+
+    from ..kernels.bench import time_launches
+    from . import decode
+
+    names = {}
+    for L in eng.w.layers:
+        for attr, v in vars(L).items():
+            if hasattr(v, "planes"):
+                names[id(v)] = attr
+    names[id(eng.w.output)] = "output"
+    calls, saved = [], {n: getattr(decode, n) for n in PROFILED}
+
+    def record(n, fn):
+        def call(*a, **k):
+            fn(*a, **k)
+            label = f"gemv {names.get(id(a[1]), '?')}" if n == "gemv" else n
+            calls.append((label, lambda: fn(*a, **k)))
+        return call
+    try:
+        for n, fn in saved.items():
+            setattr(decode, n, record(n, fn))
+        eng.launch_step()
+    finally:
+        for n, fn in saved.items():
+            setattr(decode, n, fn)
+    eng.stream.synchronize()
+    ms = Counter()
+    for label, launch in calls:
+        replay = device.capture_graph([launch] * repeats, eng.stream, warm=False)
+        ms[label] += time_launches(replay, eng.stream, reps=3, warmup=1, rounds=3) * 1e3 / repeats
+    return dict(ms.most_common())
+
+
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
-              progress=None) -> dict:
+              progress=None, profile: bool = False) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, time ``tokens`` steps."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
-    eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream), ctx + tokens + 2,
+    eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream), ctx + tokens + 3,
                        stream=stream, progress=progress)
     build_s = time.perf_counter() - t0
     fill_caches(eng, ctx, seed)
@@ -106,8 +149,12 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     free1, _ = cuda.current_context().get_memory_info()
     nb = bytes_per_token(eng, ctx)
     used = None if device.SIMULATOR else int(free0 - free1)  # (the simulator has no memory)
+    extra = {}
+    if profile and not device.SIMULATOR:
+        prof = profile_step(eng)
+        extra = dict(profile_ms=prof, profile_sum_ms=sum(prof.values()))
     return dict(
-        preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
+        **extra, preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
         decode_tok_s=1e3 / step_ms, step_ms=step_ms,
         bytes_per_token=nb, achieved_gbs=nb["total"] / step_ms / 1e6,
         gpu_bytes=dict(weights=eng.w.nbytes, kv_caches=eng.cache_bytes,
