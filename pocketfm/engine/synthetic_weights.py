@@ -103,21 +103,18 @@ class SyntheticSource:
             planes.append(d)
         return QWeight(qtype, rows, host.cols, experts, tuple(planes))
 
-    def matrix(self, layer, attr, groups: int = 1) -> QWeight:
+    def matrix(self, layer, attr, groups: int = 1, stacked: int = 1) -> QWeight:
+        """[E, N, K] (or G groups of [N/G, K]; ``stacked`` copies of N rows per expert)."""
         spec, qtype, K, raw = self._pool(layer, attr)
         shape = tuple(reversed(spec.ne))  # [E?, N, K]
         N, E = shape[-2], (shape[0] if len(shape) == 3 else 1)
         host = pack_weight(raw, qtype, POOL_ROWS, K)
         salt = self.specs[layer, attr][0]
-        return self._tiled(qtype, host, E * groups, N // groups, salt)
+        return self._tiled(qtype, host, E * groups, stacked * N // groups, salt)
 
     def fused(self, layer, gate: str, up: str) -> QWeight:
         """Gate and up stacked per expert [E, 2F, D] (as moe.fuse_gate_up): one tiled matrix."""
-        spec, qtype, K, raw = self._pool(layer, gate)
-        shape = tuple(reversed(spec.ne))
-        N, E = shape[-2], (shape[0] if len(shape) == 3 else 1)
-        host = pack_weight(raw, qtype, POOL_ROWS, K)
-        return self._tiled(qtype, host, E, 2 * N, self.specs[layer, gate][0])
+        return self.matrix(layer, gate, stacked=2)
 
     def table(self, layer, attr):
         """The embedding [V, D] in the dtype the embed kernel reads (F16 / F32 rows)."""
