@@ -104,7 +104,8 @@ def main():
 @click.option("--no-qat", is_flag=True,
               help="Switch off the model's FP8/FP4 round-trips (for fidelity checks).")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Prompt tokens per prefill forward call.")
+              help="Prompt tokens per prefill chunk (cuda: batched GEMMs, the compressors and "
+                   "the indexer over the chunk; its buffers grow with it).")
 @click.option("--json", "as_json", is_flag=True,
               help="End with one JSON object (tokens, prompt_tokens, prefill_tok_s, ...).")
 def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top_p, seed,
@@ -136,9 +137,14 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
         click.echo(f"\rloading weights to the GPU: {done}/{total} ({what})" + " " * 8,
                    nl=done == total, err=True)
 
+    def prefilled(done, total, seconds):  # prompt ingestion, on stderr, when it takes a while
+        if total > prefill_chunk:
+            click.echo(f"\rprefill: {done}/{total} tokens, {done / max(seconds, 1e-9):.0f} tok/s"
+                       + " " * 8, nl=done >= total, err=True)
+
     res = model.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          seed=seed, ctx=ctx, chat=chat, prefill_chunk=prefill_chunk,
-                         on_token=emit, progress=progress)
+                         on_token=emit, progress=progress, on_prefill=prefilled)
     click.echo(stream.flush())  # any held-back partial UTF-8, then the newline
     if as_json:
         res.extra.update(device=model.device, model=model.path, text=res.text)
@@ -204,35 +210,45 @@ def inspect(path, all_keys):
               show_default=True, help="Tensor type mix of the synthetic weights.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weight seed.")
 @click.option("--profile", is_flag=True,
-              help="Also time one step call by call (GPU ms per launcher, GEMVs per weight).")
+              help="Also time one step call by call (GPU ms per launcher, GEMVs per weight), "
+                   "and with --prefill one chunk launch by launch.")
+@click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also prefill this many random tokens after the --ctx fill, in chunks "
+                   "(timed: prefill tok/s at that depth); decode then runs after them.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per prefill chunk.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(preset_name, ctx, tokens, quant, seed, profile, as_json):
-    """Decode speed on the GPU at a model geometry and context, with no model file.
+def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk, as_json):
+    """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
     fill of the caches (valid random packed entries for --ctx positions), which leaves the
-    decode work exactly that of a real run at that context. Prints decode tok/s, bytes read
-    per token and achieved GB/s, and GPU memory by component.
+    decode work exactly that of a real run at that context. With --prefill N, N random
+    tokens then go through the real chunked prefill. Prints decode (and prefill) tok/s,
+    bytes read per token and achieved GB/s, and GPU memory by component.
     """
     from .generate import resolve_device
     from .presets import preset
 
     cfg = preset(preset_name)
-    if ctx + tokens + 3 > cfg.ctx_train:
-        raise InputError(f"--ctx {ctx}: with --tokens {tokens} exceeds the {preset_name} "
-                         f"context_length {cfg.ctx_train}")
+    if ctx + prefill + tokens + 3 > cfg.ctx_train:
+        raise InputError(f"--ctx {ctx}: with --prefill {prefill} and --tokens {tokens} exceeds "
+                         f"the {preset_name} context_length {cfg.ctx_train}")
     resolve_device("cuda")
     from .engine.bench import run_bench
 
     def progress(done, total, name):
         click.echo(f"\rbuilding weights on the GPU: {done}/{total} ({name})" + " " * 8,
                    nl=done == total, err=True)
-    r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile)
+    r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, **r)))
         return
     gb = r["gpu_bytes"]
-    click.echo(f"{preset_name} at ctx {ctx:,}: decode {r['decode_tok_s']:.1f} tok/s "
+    if prefill:
+        click.echo(f"{preset_name}: prefill {prefill:,} tokens after ctx {ctx:,} in chunks of "
+                   f"{prefill_chunk}: {r['prefill_tok_s']:.1f} tok/s ({r['prefill_s']:.2f} s)")
+    click.echo(f"{preset_name} at ctx {r['ctx']:,}: decode {r['decode_tok_s']:.1f} tok/s "
                f"({r['step_ms']:.2f} ms/step), {r['bytes_per_token']['total'] / 1e9:.2f} GB "
                f"read/token, {r['achieved_gbs']:.0f} GB/s")
     other = gb["workspace_and_other"]
@@ -244,6 +260,11 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, as_json):
                    f"({r['profile_sum_ms']:.2f} ms in all):")
         for name, ms in r["profile_ms"].items():
             click.echo(f"  {name:<28} {ms:8.3f} ms")
+    if "prefill_profile" in r:
+        pp = r["prefill_profile"]
+        click.echo(f"one prefill chunk, each launch synchronised ({pp['chunk_ms']:.1f} ms):")
+        for name, ms in pp["by_launcher"].items():
+            click.echo(f"  {name:<28} {ms:8.2f} ms")
 
 
 @main.command("make-model")

@@ -167,12 +167,13 @@ class Model:
     def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, ctx: int | None = None, chat: bool = False,
                  prefill_chunk: int = 512, stop_at_eos: bool = True,
-                 on_token=None, progress=None) -> GenerationResult:
+                 on_token=None, progress=None, on_prefill=None) -> GenerationResult:
         """Prefill ``prompt`` in chunks, then decode up to ``max_tokens`` tokens.
 
         ``ctx`` is the run's context capacity (prompt + generated); by default the prompt plus
         ``max_tokens``, capped by the model's trained context. ``on_token(id)`` streams ids;
-        ``progress(done, total, what)`` reports the GPU weight upload (device cuda).
+        ``progress(done, total, what)`` reports the GPU weight upload (device cuda);
+        ``on_prefill(done, total, seconds)`` reports prompt tokens ingested, per chunk.
         """
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
@@ -185,7 +186,8 @@ class Model:
             eng = self.engine(ctx, progress)
             r = eng.generate(ids, max_tokens, temperature, top_p,
                              draw_uniform(rng, max_tokens) if temperature > 0 else None,
-                             self.tokenizer.eos_id if stop_at_eos else None, on_token)
+                             self.tokenizer.eos_id if stop_at_eos else None, on_token,
+                             prefill_chunk=prefill_chunk, on_prefill=on_prefill)
             out, stop = r["tokens"], r["stop"]
             text_ids = out[:-1] if stop == "eos" else out
             return GenerationResult(out, self.tokenizer.decode(text_ids), len(ids),
@@ -194,6 +196,8 @@ class Model:
         t0 = time.perf_counter()
         for i in range(0, len(ids), prefill_chunk):
             logits = self.forward.forward(ids[i:i + prefill_chunk], state, all_logits=False)
+            if on_prefill:
+                on_prefill(state.pos, len(ids), time.perf_counter() - t0)
         prefill_s = time.perf_counter() - t0
         out, stop, steps, t1 = [], "max_tokens", 0, time.perf_counter()
         while len(out) < max_tokens:

@@ -18,14 +18,23 @@ def test_bench_context_beyond_the_model():
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --ctx 5000"), err
 
 
+def test_bench_prefill_beyond_the_model():
+    code, _, err = bench("--preset", "tiny", "--ctx", "4000", "--prefill", "100")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--prefill 100" in lines[0], err
+
+
 def test_bench_tiny_in_the_simulator():
-    code, out, err = bench("--preset", "tiny", "--ctx", "40", "--tokens", "1", "--json")
+    """A 40-position fill, then 4 tokens through the chunked prefill, then one decode step."""
+    code, out, err = bench("--preset", "tiny", "--ctx", "40", "--prefill", "4",
+                           "--prefill-chunk", "4", "--tokens", "1", "--json")
     assert code == 0, err
     r = json.loads(out.strip().splitlines()[-1])
-    assert r["ctx"] == 40 and r["decode_tok_s"] > 0
+    assert r["ctx"] == 44 and r["decode_tok_s"] > 0
+    assert r["prefill_tokens"] == 4 and r["prefill_tok_s"] > 0 and r["prefill_chunk"] == 4
     nb = r["bytes_per_token"]
-    # tiny at ctx 40, 200-byte entries and 36-byte keys: 5 windows of 16 entries; 2 CSA layers
-    # attending their top 8 of 10 entries after scoring all 10 keys; 1 HCA layer reading 5
-    assert nb["kv_and_index"] == 200 * (5 * 16 + 2 * 8 + 5) + 2 * 10 * 36
+    # tiny at ctx 44, 200-byte entries and 36-byte keys: 5 windows of 16 entries; 2 CSA layers
+    # attending their top 8 of 11 entries after scoring all 11 keys; 1 HCA layer reading 5
+    assert nb["kv_and_index"] == 200 * (5 * 16 + 2 * 8 + 5) + 2 * 11 * 36
     assert nb["total"] == nb["weights"] + nb["routed_experts"] + nb["kv_and_index"]
     assert r["gpu_bytes"]["weights"] > nb["weights"] > 0

@@ -50,6 +50,33 @@ def test_decode_engine_matches_numpy_forward(micro_path):
     assert eng.read_ids(0, len(PROMPT)).tolist() == PROMPT
 
 
+def test_chunked_prefill_then_decode_matches_numpy_forward(micro_path):
+    """Chunks of 5 then 3 tokens (the second shorter than the buffers), then decode: the first
+    chunk leaves a wrapped ring, a CSA entry and half-filled compressor states to the second,
+    which emits the second CSA entry and the HCA entry mid-chunk and selects among them per
+    token. The decode steps after it see exactly NumPy's caches."""
+    gpu = load(micro_path, device="cuda")
+    n = len(PROMPT)
+    eng = gpu.engine(n + GENERATED)
+    eng.start(PROMPT)
+    seen = []
+    eng.prefill(5).ingest(n - 1, lambda done, total, s: seen.append((done, total)))
+    assert seen == [(5, n - 1), (n - 1, n - 1)]
+    fw = Forward(gpu.config, gpu.weights)
+    state = fw.new_state(n + GENERATED)
+    ref = fw.forward(PROMPT, state)[-1]
+    tokens = []
+    for step in range(GENERATED):
+        eng.step()
+        got = eng.read_logits()
+        if step:
+            ref = fw.forward([tokens[-1]], state)[0]
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert rel <= 1e-4, f"decode step {step} after the prefill: rel-L2 {rel:.2e}"
+        tokens.append(int(np.argmax(ref)))
+    assert eng.read_ids(n, n + GENERATED).tolist() == tokens
+
+
 def run_json(*args):
     res = CliRunner().invoke(main, ["run", *args, "--json"])
     assert res.exit_code == 0, res.output

@@ -101,12 +101,7 @@ def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
     from ..kernels.bench import time_launches
     from . import decode
 
-    names = {}
-    for L in eng.w.layers:
-        for attr, v in vars(L).items():
-            if hasattr(v, "planes"):
-                names[id(v)] = attr
-    names[id(eng.w.output)] = "output"
+    names = _weight_names(eng)
     calls, saved = [], {n: getattr(decode, n) for n in PROFILED}
 
     def record(n, fn):
@@ -115,6 +110,7 @@ def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
             label = f"gemv {names.get(id(a[1]), '?')}" if n == "gemv" else n
             calls.append((label, lambda: fn(*a, **k)))
         return call
+    branches, eng.branches = eng.branches, False  # every call on the main stream
     try:
         for n, fn in saved.items():
             setattr(decode, n, record(n, fn))
@@ -122,6 +118,7 @@ def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
     finally:
         for n, fn in saved.items():
             setattr(decode, n, fn)
+        eng.branches = branches
     eng.stream.synchronize()
     ms = Counter()
     for label, launch in calls:
@@ -130,16 +127,91 @@ def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
     return dict(ms.most_common())
 
 
+def time_prefill(eng: DecodeEngine, start: int, n: int, chunk: int, seed: int = 0) -> dict:
+    """Chunked prefill of ``n`` random tokens at positions start .. start+n-1 (after a fill:
+    each token's indexer scores every key before it). One untimed chunk first compiles the
+    kernels (on a GPU); its positions are then run again, timed, with the rest."""
+    from .prefill import ChunkPrefill
+
+    ids = np.random.default_rng(seed + 1).integers(0, eng.cfg.vocab, n).astype(np.int32)
+    eng.ids[start:start + n].copy_to_device(ids, stream=eng.stream)
+    pf = eng.prefill(chunk)
+    t0 = time.perf_counter()
+    if not device.SIMULATOR:  # (nothing to compile there)
+        pf.chunk(start, min(chunk, n))
+    eng.stream.synchronize()
+    first_s = time.perf_counter() - t0
+    seconds = pf.ingest(start + n, start=start)
+    return dict(prefill_tokens=n, prefill_chunk=chunk, prefill_tok_s=n / seconds,
+                prefill_s=seconds, prefill_first_chunk_s=first_s,
+                prefill_workspace_bytes=pf.nbytes)
+
+
+PREFILL_PROFILED = ("hc_pre", "hc_post", "rmsnorm", "rope", "attention_prefill",
+                    "store_chunk_rows", "kv_pack", "hadamard_fp4", "compressor_chunk",
+                    "indexer_scores_chunk", "topk_chunk", "route_chunk", "swiglu_fused",
+                    "combine_chunk", "broadcast_rows", "embed", "gemv")
+
+
+def profile_chunk(pf, p0: int, T: int) -> dict:
+    """GPU milliseconds per launcher (GEMMs per weight) in one prefill chunk at position p0:
+    every launch is synchronised and timed from the host. A chunk's launches take 0.1-10 ms
+    each, so the ~20 µs of a launch and sync hardly count (unlike a decode step's)."""
+    from collections import Counter
+
+    from . import prefill
+
+    names = _weight_names(pf.eng)
+    ms, saved = Counter(), {n: getattr(prefill, n) for n in PREFILL_PROFILED}
+    s = pf.eng.stream
+
+    def timed(n, fn):
+        def call(*a, **k):
+            s.synchronize()
+            t0 = time.perf_counter()
+            fn(*a, **k)
+            s.synchronize()
+            label = f"gemv {names.get(id(a[1]), '?')}" if n == "gemv" else n
+            ms[label] += (time.perf_counter() - t0) * 1e3
+        return call
+    try:
+        for n, fn in saved.items():
+            setattr(prefill, n, timed(n, fn))
+        s.synchronize()
+        t0 = time.perf_counter()
+        pf.chunk(p0, T)
+        s.synchronize()
+        total = (time.perf_counter() - t0) * 1e3
+    finally:
+        for n, fn in saved.items():
+            setattr(prefill, n, fn)
+    return dict(chunk_ms=total, by_launcher=dict(ms.most_common()))
+
+
+def _weight_names(eng) -> dict:
+    """id(QWeight) -> its DeviceLayer attribute name (grouped out_a: its per-group views)."""
+    names = {id(eng.w.output): "output"}
+    for L in eng.w.layers:
+        for attr, v in vars(L).items():
+            if hasattr(v, "planes"):
+                names[id(v)] = attr
+    return names
+
+
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
-              progress=None, profile: bool = False) -> dict:
-    """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, time ``tokens`` steps."""
+              progress=None, profile: bool = False, prefill: int = 0,
+              prefill_chunk: int = 512) -> dict:
+    """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
+    more tokens in chunks (timed), then time ``tokens`` decode steps."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
-    eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream), ctx + tokens + 3,
-                       stream=stream, progress=progress)
+    eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream),
+                       ctx + prefill + tokens + 3, stream=stream, progress=progress)
     build_s = time.perf_counter() - t0
     fill_caches(eng, ctx, seed)
+    pre = time_prefill(eng, ctx, prefill, prefill_chunk, seed) if prefill else {}
+    ctx += prefill
     t0 = time.perf_counter()
     eng.step()  # eager: compiles every kernel, allocates the lazy scratch
     eng.stream.synchronize()
@@ -153,8 +225,11 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     if profile and not device.SIMULATOR:
         prof = profile_step(eng)
         extra = dict(profile_ms=prof, profile_sum_ms=sum(prof.values()))
+        if prefill:
+            T = min(prefill_chunk, prefill)  # the last prefill chunk again, alone
+            extra["prefill_profile"] = profile_chunk(eng.prefill(prefill_chunk), ctx - T, T)
     return dict(
-        **extra, preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
+        **extra, **pre, preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
         decode_tok_s=1e3 / step_ms, step_ms=step_ms,
         bytes_per_token=nb, achieved_gbs=nb["total"] / step_ms / 1e6,
         gpu_bytes=dict(weights=eng.w.nbytes, kv_caches=eng.cache_bytes,

@@ -12,9 +12,10 @@ One step consumes the token at ``meta[pos]`` and, once the prompt is in, writes 
 
 Nothing the host decides per step reaches a kernel argument: positions, counts, the token, the
 selected entries and the sampling uniform all live in device memory, so the step is captured
-once as a CUDA graph and replayed per token (``DecodeEngine.run``); the host only reads the
-sampled ids every ``sync_every`` steps. The prompt is ingested by the same step (one token per
-replay) until the chunked prefill lands.
+once as a CUDA graph and replayed per token (``DecodeEngine.generate``); the host only reads
+the sampled ids every ``sync_every`` steps. The prompt but its last token goes through the
+chunked prefill (prefill.py), which fills the same caches; the step then ingests the last
+prompt token and samples.
 
 Storage is the packed format (spec §6.3): window ring and compressed entries 584 B (FP8 + bf16
 rope dims + scales), indexer keys 68 B (FP4), exactly what the NumPy forward computes with
@@ -104,10 +105,18 @@ class DecodeEngine:
         self.caches = [LayerCache(cfg, i, capacity, s) for i in range(cfg.n_layers)]
         self.ratios = sorted({cfg.ratio(i) for i in range(cfg.n_layers)} - {0})
         self._alloc_step_buffers()
-        self._graph, self._warm = None, None
-        # The simulator runs each thread as a Python thread: small blocks and thread-per-row GEMVs
-        # keep a simulated step in seconds. On a GPU every launcher picks its own shape.
+        self._graph, self._warm, self._prefill = None, None, None
+        self.n_prompt = 0
+        # The simulator runs each thread as a Python thread: small blocks, thread-per-row GEMVs
+        # and the serial forms of the norm / RoPE / HC / Hadamard kernels (their fast forms have
+        # their own tests) keep a simulated step in seconds. On a GPU every launcher picks its
+        # own shape and the fast kernels.
         self.nt = 32 if device.SIMULATOR else None
+        self.sim = {"naive": True} if device.SIMULATOR else {}
+        # independent parts of a step (the kv entry + compressor beside the query + indexer;
+        # the shared expert beside the routed ones) run on a second stream: concurrent
+        # branches of the captured graph (``branches = False``: one stream, e.g. to profile)
+        self.side, self.branches = device.SideStream(), True
         if device.SIMULATOR:
             simulator_prefers_rows()
 
@@ -166,7 +175,7 @@ class DecodeEngine:
     def launch_step(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
         """Launch one decode step on the engine's stream (no host sync)."""
         cfg, s, w = self.cfg, self.stream, self.w
-        nt = self.nt
+        nt, sim = self.nt, self.sim
         sk.begin_step(self.meta, self.ids, self.token, self.u, self.uniforms, self.ratio_arr,
                       cfg.window, s)
         embed(self.e, w.embed, self.token, s, threads=nt)
@@ -175,8 +184,8 @@ class DecodeEngine:
         for i in range(cfg.n_layers):
             self._attention(i, self.X[X], self.X[1 - X])
             self._ffn(i, self.X[1 - X], self.X[X])
-        hc_head(self.head_u, self.X[X], *w.output_hc, cfg.rms_eps, cfg.hc_eps, s, threads=nt)
-        rmsnorm(self.head_norm, self.head_u, w.output_norm, cfg.rms_eps, True, s, threads=nt)
+        hc_head(self.head_u, self.X[X], *w.output_hc, cfg.rms_eps, cfg.hc_eps, s, threads=nt, **sim)
+        rmsnorm(self.head_norm, self.head_u, w.output_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         gemv(self.logits, w.output, self.head_norm, None, s, threads=nt)
         if temperature > 0:
             sample_top_p(self.next_token, self.logits.reshape(cfg.vocab), temperature, top_p,
@@ -187,35 +196,40 @@ class DecodeEngine:
 
     def _attention(self, i: int, X, X_out) -> None:
         cfg, s, L, c = self.cfg, self.stream, self.w.layers[i], self.caches[i]
-        nt = self.nt
+        nt, sim = self.nt, self.sim
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u = self.u_norm
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
-               threads=nt)
-        rmsnorm(u, self.u_in, L.attn_norm, eps, True, s, threads=nt)
-        gemv(self.cq, L.q_a, u, None, s, threads=nt)
-        rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt)
-        gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, s, threads=nt)
-        q2 = self.q.reshape(H, K)
-        rmsnorm(q2, q2, self.ones[:K], eps, False, s, threads=nt)  # per-head weightless norm
-        rope(self.q, self.q, self.pos, L.freqs, False, s, threads=nt)
-        gemv(self.kv, L.kv, u, None, s, threads=nt)
-        rmsnorm(self.kv, self.kv, L.kv_norm, eps, True, s, threads=nt)
+               threads=nt, **sim)
+        rmsnorm(u, self.u_in, L.attn_norm, eps, True, s, threads=nt, **sim)
+        # the kv entry and the compressor on the side stream, beside the query and the indexer
+        s2 = self.side.fork(s) if self.branches else s
+        gemv(self.kv, L.kv, u, None, s2, threads=nt)
+        rmsnorm(self.kv, self.kv, L.kv_norm, eps, True, s2, threads=nt, **sim)
         kv3 = self.kv.reshape(1, 1, K)
-        rope(kv3, kv3, self.pos, L.freqs, False, s, threads=nt)
-        kv_pack(self.kv_row, self.kv, R, stream=s, threads=nt)  # FP8 round-trip + the 584 B entry
-        sk.store_row(c.window, self.kv_row, self.meta, s)
-        scale = 1.0 / math.sqrt(K)
+        rope(kv3, kv3, self.pos, L.freqs, False, s2, threads=nt, **sim)
+        kv_pack(self.kv_row, self.kv, R, stream=s2, threads=nt)  # FP8 + the 584 B entry
+        sk.store_row(c.window, self.kv_row, self.meta, s2)
         if c.ratio:
             a, g = self.comp_in[c.state_kv.shape[1]]
-            gemv(a, L.comp_kv, u, None, s, threads=nt)
-            gemv(g, L.comp_gate, u, None, s, threads=nt)
+            gemv(a, L.comp_kv, u, None, s2, threads=nt)
+            gemv(g, L.comp_gate, u, None, s2, threads=nt)
             compressor_step(c.state_kv, c.state_score, a.reshape(a.shape[1]),
                             g.reshape(g.shape[1]), L.comp_ape, self.pos, c.ratio,
                             cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, c.comp,
-                            stream=s, threads=nt)
+                            stream=s2, threads=nt)
+        gemv(self.cq, L.q_a, u, None, s, threads=nt)
+        rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
+        gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, s, threads=nt)
+        q2 = self.q.reshape(H, K)
+        rmsnorm(q2, q2, self.ones[:K], eps, False, s, threads=nt, **sim)  # weightless, per head
+        rope(self.q, self.q, self.pos, L.freqs, False, s, threads=nt, **sim)
         if cfg.is_csa(i):
             self._indexer(i, L, c)
+        if self.branches:
+            self.side.join(s)
+        scale = 1.0 / math.sqrt(K)
+        if cfg.is_csa(i):
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, c.comp,
                              self.sel, self.n_comp[c.ratio], 0, L.sinks, scale, stream=s,
                              threads=nt)
@@ -226,16 +240,16 @@ class DecodeEngine:
         else:
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, self.no_comp,
                              self.no_sel, self.zero_count, 0, L.sinks, scale, stream=s, threads=nt)
-        rope(self.o, self.o, self.pos, L.freqs, True, s, threads=nt)
+        rope(self.o, self.o, self.pos, L.freqs, True, s, threads=nt, **sim)
         G = cfg.o_groups
         gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
-        hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt)
+        hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt, **sim)
 
     def _indexer(self, i: int, L, c) -> None:
         """Emit this token's indexer key (every 4th token), score the visible keys, top-k."""
         cfg, s, u = self.cfg, self.stream, self.u_norm
-        nt = self.nt
+        nt, sim = self.nt, self.sim
         HI, DI = cfg.index_heads, cfg.index_dim
         ia, ig = self.idx_in
         gemv(ia, L.idx_kv, u, None, s, threads=nt)
@@ -244,8 +258,8 @@ class DecodeEngine:
                         L.idx_ape, self.pos, c.ratio, True, L.idx_norm, L.freqs, cfg.rms_eps,
                         MODE_INDEX_FP4, None, c.index_keys, stream=s, threads=nt)
         gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, self.cq_norm, None, s, threads=nt)
-        rope(self.qi, self.qi, self.pos, L.freqs, False, s, threads=nt)
-        hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt)
+        rope(self.qi, self.qi, self.pos, L.freqs, False, s, threads=nt, **sim)
+        hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt, **sim)
         gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
         sk.scale(self.idx_w, index_weight_scale(cfg), s)
         n = self.n_comp[c.ratio]
@@ -256,15 +270,16 @@ class DecodeEngine:
 
     def _ffn(self, i: int, X, X_out) -> None:
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]
-        nt = self.nt
+        nt, sim = self.nt, self.sim
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt)
-        rmsnorm(self.u_norm, self.u_in, L.ffn_norm, cfg.rms_eps, True, s, threads=nt)
+               cfg.hc_iters, s, threads=nt, **sim)
+        rmsnorm(self.u_norm, self.u_in, L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
-                  cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt)
-        hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt)
+                  cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
+                  side=self.side if self.branches else None)
+        hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt, **sim)
 
     # ---- a sequence -----------------------------------------------------------------------------
     def start(self, prompt: list[int], uniforms: np.ndarray | None = None) -> None:
@@ -279,14 +294,31 @@ class DecodeEngine:
         ids = np.zeros(self.capacity + 1, np.int32)
         ids[:n] = prompt
         self.ids.copy_to_device(ids, stream=s)
-        meta = np.zeros(self.meta.shape, np.int32)
-        meta[sk.META_PROMPT] = n
-        self.meta.copy_to_device(meta, stream=s)
+        self.n_prompt = n
+        self.set_position(0)
         un = np.zeros(self.uniforms.shape, np.float32)
         if uniforms is not None:
             un[:len(uniforms)] = uniforms[:len(un)]
         self.uniforms.copy_to_device(un, stream=s)
         s.synchronize()
+
+    def set_position(self, pos: int) -> None:
+        """The next step consumes position ``pos`` (after a prefill has filled the caches up to
+        it); begin_step derives the counts from it."""
+        meta = np.zeros(self.meta.shape, np.int32)
+        meta[sk.META_POS], meta[sk.META_PROMPT] = pos, self.n_prompt
+        self.meta.copy_to_device(meta, stream=self.stream)
+
+    def prefill(self, chunk: int = 0):
+        """The chunked prefill of this engine (buffers allocated on first use, for ``chunk``
+        tokens; a different size reallocates them)."""
+        from .prefill import DEFAULT_CHUNK, ChunkPrefill
+
+        chunk = chunk or DEFAULT_CHUNK
+        if self._prefill is None or self._prefill.T != chunk:
+            self._prefill = None
+            self._prefill = ChunkPrefill(self, chunk)
+        return self._prefill
 
     def step(self, temperature: float = 0.0, top_p: float = 1.0, graph: bool = True) -> None:
         """One step. On a GPU the first step with given sampling settings runs eagerly (it
@@ -307,9 +339,13 @@ class DecodeEngine:
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, uniforms=None, eos_id: int | None = None,
-                 on_token=None, sync_every: int = 16, graph: bool = True) -> dict:
+                 on_token=None, sync_every: int = 16, graph: bool = True,
+                 prefill_chunk: int | None = None, on_prefill=None) -> dict:
         """Ingest ``prompt`` and generate up to ``max_tokens`` ids (stopping after ``eos_id``).
 
+        The prompt but its last token goes through the chunked prefill (``prefill_chunk``
+        tokens per chunk, default 512; 0: one decode step per token); the decode step then
+        ingests the last one and samples. ``on_prefill(done, total, seconds)`` reports chunks.
         The host looks at the ids every ``sync_every`` steps (streaming them to ``on_token``);
         steps already launched past an end-of-sequence are discarded. Returns tokens, timings
         and the stop reason.
@@ -318,10 +354,17 @@ class DecodeEngine:
         steps_total = min(n + max_tokens - 1, self.capacity)
         self.start(prompt, uniforms)
         t0 = time.perf_counter()
-        for _ in range(n):  # the step at pos n-1 yields the first generated id
-            self.step(temperature, top_p, graph)
+        if prefill_chunk != 0 and n > 1:
+            report = on_prefill and (lambda done, _, s: on_prefill(done, n, s))
+            self.prefill(prefill_chunk or 0).ingest(n - 1, report)
+        else:
+            for _ in range(n - 1):
+                self.step(temperature, top_p, graph)
+        self.step(temperature, top_p, graph)  # the step at pos n-1 yields the first generated id
         self.stream.synchronize()
         prefill_s = time.perf_counter() - t0
+        if on_prefill:
+            on_prefill(n, n, prefill_s)
         out, stop, t1, done = [], "max_tokens", time.perf_counter(), n
         while True:
             got = self.read_ids(n + len(out), done + 1)

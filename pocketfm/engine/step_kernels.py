@@ -51,8 +51,13 @@ def store_row_ref(ring, row, meta) -> None:
 
 
 def scale_ref(x, c: float) -> None:
-    """x[0, :] *= c in place."""
+    """x[T, n] *= c in place."""
     x *= np.float32(c)
+
+
+def swap_leading_ref(out, x) -> None:
+    """out[B, A, C] = x[A, B, C] with the two leading axes swapped."""
+    out[...] = np.swapaxes(x, 0, 1)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -89,9 +94,20 @@ def _store_row(ring, row, meta):
 
 @device.kernel
 def _scale(x, c):
-    i = cuda.grid(1)
-    if i < x.shape[1]:
-        x[0, i] *= c
+    T, n = x.shape
+    for i in range(cuda.grid(1), T * n, cuda.gridsize(1)):
+        x[i // n, i % n] *= c
+
+
+@device.kernel
+def _swap_leading(out, x):
+    """Grid-stride over the outputs, consecutive threads along C (both sides coalesced)."""
+    B, A, C = out.shape
+    for i in range(cuda.grid(1), B * A * C, cuda.gridsize(1)):
+        c = i % C
+        a = (i // C) % A
+        b = i // (C * A)
+        out[b, a, c] = x[a, b, c]
 
 
 # ---- launchers ----------------------------------------------------------------------------------
@@ -112,9 +128,19 @@ def store_row(ring, row, meta, stream=0) -> None:
 
 
 def scale(x, c: float, stream=0) -> None:
-    """x float32 [1, n] *= c."""
+    """x float32 [T, n] *= c."""
     nt = 128
-    _scale[cdiv(x.shape[1], nt), nt, stream](x, np.float32(c))
+    _scale[min(cdiv(x.size, nt), 1024), nt, stream](x, np.float32(c))
+
+
+def swap_leading(out, x, stream=0) -> None:
+    """out float32 [B, A, C] <- x [A, B, C]: a chunk's [tokens, groups, ...] activations to
+    group-major order and back, so that each output group runs as one GEMM over its tokens."""
+    A, B, C = x.shape
+    if out.shape != (B, A, C):
+        raise ValueError(f"swap_leading: out {out.shape}, want {(B, A, C)}")
+    nt = 256
+    _swap_leading[min(cdiv(x.size, nt), 4096), nt, stream](out, x)
 
 
 PTX_SIGNATURES = [
@@ -123,4 +149,5 @@ PTX_SIGNATURES = [
     (_end_step, "void(int32[::1], int32[::1], int32[::1])"),
     (_store_row, "void(uint8[:, ::1], uint8[:, ::1], int32[::1])"),
     (_scale, "void(float32[:, ::1], float32)"),
+    (_swap_leading, "void(float32[:, :, ::1], float32[:, :, ::1])"),
 ]

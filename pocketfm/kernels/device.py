@@ -183,6 +183,34 @@ def gpu_available() -> bool:
     return not SIMULATOR and cuda.is_available()
 
 
+class SideStream:
+    """A second stream for work that is independent of the main stream's, inside one step.
+
+    ``side = fork(main)`` makes the side stream wait for everything launched on ``main`` so far
+    and returns it; ``join(main)`` makes ``main`` wait for everything launched on the side.
+    Inside a stream capture the event record / wait pairs become graph edges, so the captured
+    graph runs the two branches concurrently — many decode kernels are small and latency-bound
+    and leave most SMs idle. In the simulator (launches run one by one) ``fork`` returns
+    ``main`` itself and ``join`` does nothing."""
+
+    def __init__(self):
+        self.stream = None if SIMULATOR else cuda.stream()
+        self.forked = None if SIMULATOR else cuda.event(timing=False)
+        self.joined = None if SIMULATOR else cuda.event(timing=False)
+
+    def fork(self, main):
+        if self.stream is None:
+            return main
+        self.forked.record(main)
+        self.forked.wait(self.stream)
+        return self.stream
+
+    def join(self, main) -> None:
+        if self.stream is not None:
+            self.joined.record(self.stream)
+            self.joined.wait(main)
+
+
 def capture_graph(launches, stream, warm: bool = True):
     """Capture ``launches`` (zero-argument callables launching on ``stream``) as one CUDA graph;
     returns a zero-argument ``replay`` (gpu_notes §7: ~1.2 µs per kernel on replay instead of

@@ -480,9 +480,12 @@ def _batched_kernel(ty: _Type, MN: int, MB: int):
     WPS = TK // EPW  # words per row per K step
     N_ACC = MN * MB
 
-    def k(out, wq, ws, x, ids, per_token, N, K, tnt):
-        # out [T, N]; grid (N / TN, T / TB); block = tnt x tbt threads
+    def k(out, wq, ws, x, ids, per_token, N, K, tnt, ks):
+        # out [S, T, N]; grid (N / TN, T / TB, S); block = tnt x tbt threads. Split s sums
+        # the K columns [s·ks, (s+1)·ks) into out[s] (S = 1: the whole row, the result).
         T = x.shape[0]
+        kb = cuda.blockIdx.z * ks
+        ke = min(K, kb + ks)
         nt = cuda.blockDim.x
         tid = cuda.threadIdx.x
         tbt = nt // tnt
@@ -507,11 +510,11 @@ def _batched_kernel(ty: _Type, MN: int, MB: int):
                 e = 0
             if e == 1 << 30:
                 break
-            for k0 in range(0, K, TK):
+            for k0 in range(kb, ke, TK):
                 for idx in range(tid, TN * WPS, nt):
                     r, wj = idx // WPS, idx % WPS
                     n, kw = n0 + r, k0 // EPW + wj
-                    if n < N and kw * EPW < K:
+                    if n < N and kw * EPW < ke:
                         w = wq[e, n, kw]
                         s = np.float32(ws[e, n, kw * EPW // SB]) if HAS_SCALE else np.float32(1)
                         for i in range(EPW):
@@ -522,7 +525,7 @@ def _batched_kernel(ty: _Type, MN: int, MB: int):
                 for idx in range(tid, TB * TK, nt):
                     tt, kk = idx // TK, idx % TK
                     t = t0 + tt
-                    ok = t < T and k0 + kk < K
+                    ok = t < T and k0 + kk < ke
                     if ok and per_token:
                         ok = ids[t] == e
                     xt[kk, tt] = x[t, k0 + kk] if ok else np.float32(0)
@@ -539,8 +542,46 @@ def _batched_kernel(ty: _Type, MN: int, MB: int):
             for j in range(MB):
                 t = t0 + tx + j * tbt
                 if n < N and t < T:
-                    out[t, n] = acc[i * MB + j]
-    return _named(k, f"_gemm_{ty.name}_smem_tiles")
+                    out[cuda.blockIdx.z, t, n] = acc[i * MB + j]
+    return _named(k, f"_gemm_{ty.name}_smem_tiles_splitk")
+
+
+@kernel
+def _sum_splits(out, part):
+    """out[T, N] = Σ_s part[s, T, N], in a fixed order (deterministic, unlike atomics)."""
+    S, T, N = part.shape
+    for i in range(cuda.grid(1), T * N, cuda.gridsize(1)):
+        t = i // N
+        n = i - t * N
+        acc = part[0, t, n]
+        for s_ in range(1, S):
+            acc += part[s_, t, n]
+        out[t, n] = acc
+
+
+def gemm_splits(blocks: int, K: int) -> int:
+    """K splits for a tiled GEMM of ``blocks`` output tiles: enough for two blocks per SM
+    (a 512-token chunk through a 1024-row weight has only 32 tiles for 132 SMs), each split at
+    least two TK steps long."""
+    want = cdiv(2 * _sm_count(), blocks)
+    return max(1, min(want, K // (2 * TK)))
+
+
+def _sm_count() -> int:
+    if SIMULATOR:
+        return 1
+    if "sms" not in _STATE:
+        _STATE["sms"] = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return _STATE["sms"]
+
+
+def _split_partials(S: int, T: int, N: int):
+    """[S, T, N] f32 partial sums, from one workspace that only grows. Outgrown buffers are
+    kept: a captured graph may still write them."""
+    bufs = _STATE.setdefault("gemm_partials", [])
+    if not bufs or bufs[-1].size < S * T * N:
+        bufs.append(cuda.device_array(max(S * T * N, 1 << 20), np.float32))
+    return bufs[-1][:S * T * N].reshape(S, T, N)
 
 
 def _decode_shape(ty: _Type, B: int) -> tuple[int, int]:
@@ -597,14 +638,13 @@ def _max_blocks(threads: int) -> int:
     simulator, so tests cover the grid-stride loop)."""
     if SIMULATOR:
         return 2
-    if "sms" not in _STATE:
-        _STATE["sms"] = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    return _STATE["sms"] * max(1, 1024 // threads)  # best of 4 / 8 / 16 x 128 threads
+    return _sm_count() * max(1, 1024 // threads)  # best of 4 / 8 / 16 x 128 threads
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None):
     """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched") and
-    ``split_k`` (warps per row) override the choice; tests use them to reach every path."""
+    ``split_k`` (decode: warps per row; batched: K splits) override the choice; tests use them
+    to reach every path."""
     assert w.qtype == ty.qtype and x.shape[1] == w.cols and out.shape == (x.shape[0], w.rows)
     T, N, K = x.shape[0], w.rows, w.cols
     kern = _KERNELS[ty.qtype]
@@ -644,8 +684,14 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
     else:
         nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
         tnt = 1 << (nt.bit_length() // 2)  # 256 threads: 16 x 16 -> 128 rows x 128 tokens
-        grid = (cdiv(N, tnt * GEMM_MICRO), cdiv(T, nt // tnt * GEMM_MICRO))
-        kern.batched[grid, nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, N, K, tnt)
+        gx, gy = cdiv(N, tnt * GEMM_MICRO), cdiv(T, nt // tnt * GEMM_MICRO)
+        ks = cdiv(cdiv(K, split_k or gemm_splits(gx * gy, K)), TK) * TK
+        S = cdiv(K, ks)
+        dest = out.reshape(1, T, N) if S == 1 else _split_partials(S, T, N)
+        kern.batched[(gx, gy, S), nt, stream](dest, w.planes[0], ws, x, ids_arg, per_token, N,
+                                              K, tnt, ks)
+        if S > 1:
+            _sum_splits[min(cdiv(T * N, 256), 4096), 256, stream](out, dest)
 
 
 def gemv_f32(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
@@ -708,7 +754,9 @@ def _signatures():
         yield _ROWS[ty.qtype], h + "int64, int64)"
         for kd in [*ks.decode.values(), *([ks.dp4a] if ks.dp4a else [])]:
             yield kd, h + "int64, int64, int64, int64, int64)"
-        yield ks.batched, h + "int64, int64, int64, int64)"
+        yield ks.batched, h.replace("void(float32[:, ::1]", "void(float32[:, :, ::1]") + \
+            "int64, int64, int64, int64, int64)"
+    yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"
 
 
 PTX_SIGNATURES = list(_signatures())

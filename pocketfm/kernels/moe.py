@@ -68,8 +68,8 @@ def swiglu_fused_ref(out_h, gate_up, w, clamp) -> None:
 
 
 def broadcast_rows_ref(out, x) -> None:
-    """out[R, D] = x[1, D] in every row."""
-    out[...] = x
+    """out[R, D]: each row of x[T, D] repeated R / T times (row r = x[r // (R / T)])."""
+    out[...] = np.repeat(x, out.shape[0] // x.shape[0], axis=0)
 
 
 def combine_chunk_ref(out, down_out, shared_out) -> None:
@@ -361,13 +361,17 @@ def combine(out, down_out, shared_out, stream=0, threads=None) -> None:
 def _broadcast_rows_copy(out, x):
     """Grid-stride over the R·D outputs."""
     R, D = out.shape
+    rep = R // x.shape[0]
     for i in range(cuda.grid(1), R * D, cuda.gridsize(1)):
         r = i // D
-        out[r, i - r * D] = x[0, i - r * D]
+        out[r, i - r * D] = x[r // rep, i - r * D]
 
 
 def broadcast_rows(out, x, stream=0, threads=None) -> None:
-    """out[R, D] = x[1, D] in every row: the k inputs of an ids-gemv over one token."""
+    """out[R, D] <- x[T, D], each row repeated R / T times: the k inputs of an ids-gemv per
+    token (decode: T = 1), or the HC streams of a chunk's embeddings."""
+    if out.shape[0] % x.shape[0] or out.shape[1] != x.shape[1]:
+        raise ValueError(f"broadcast_rows: out {out.shape} is not whole repeats of x {x.shape}")
     nt = threads or 256
     _broadcast_rows_copy[_blocks(out, nt), nt, stream](out, x)
 
@@ -425,7 +429,7 @@ class MoEScratch:
 def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, up_exps,
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
-              threads=None) -> None:
+              threads=None, side=None) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -433,38 +437,46 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     ``up_exps=None`` with gate_exps = fuse_gate_up(gate, up) [E × 2F, D]; down_exps: QWeight
     [E × D, F]; shared_gate / shared_up / shared_down likewise [F, D] / [D, F] (fused when the
     routed ones are), or all None: no shared expert. ``clamp`` / ``clamp_shared``: SwiGLU
-    clamps (<= 0: none). Launches only, on ``stream``, into ``scratch``: graph-capturable.
+    clamps (<= 0: none). ``side``: a device.SideStream; the shared expert then runs on it,
+    beside the routed chain. Launches only, into ``scratch``: graph-capturable.
     """
     sc, F = scratch, scratch.F
     fused, has_shared = up_exps is None, shared_gate is not None
     assert not (fused and has_shared and shared_up is not None), "fuse both or neither"
     R, S = sc.routed, sc.shared
+    g, u, col = ("gate_up", "gate_up", F) if fused else ("gate", "up", 0)
+    # one SwiGLU launch over all k + 1 rows when the clamps agree (V4: both 10) and the shared
+    # expert runs in line with the routed ones
+    one_swiglu = has_shared and clamp == clamp_shared and side is None
+    if has_shared:
+        ss = stream if side is None else side.fork(stream)
+        if fused:
+            gemv(S["gate_up"], shared_gate, x, None, ss, threads)
+        else:
+            gemv(S["gate"], shared_gate, x, None, ss, threads)
+            gemv(S["up"], shared_up, x, None, ss, threads)
+        if not one_swiglu:
+            _swiglu_launch(S["h"], S[g], S[u], sc.w_one, clamp_shared, col, ss, threads)
+            gemv(S["down"], shared_down, S["h"], None, ss, threads)
     gemv(sc.logits, gate_inp, x, None, stream, threads)
     route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash, routed_scale,
                 normalise, stream, threads)
     broadcast_rows(sc.x_rep, x, stream, threads)
     if fused:
         gemv(R["gate_up"], gate_exps, sc.x_rep, sc.ids_k, stream, threads)
-        if has_shared:
-            gemv(S["gate_up"], shared_gate, x, None, stream, threads)
-        g, u, col = "gate_up", "gate_up", F  # up sits in columns F..2F of the same buffer
     else:
         gemv(R["gate"], gate_exps, sc.x_rep, sc.ids_k, stream, threads)
         gemv(R["up"], up_exps, sc.x_rep, sc.ids_k, stream, threads)
-        if has_shared:
-            gemv(S["gate"], shared_gate, x, None, stream, threads)
-            gemv(S["up"], shared_up, x, None, stream, threads)
-        g, u, col = "gate", "up", 0
-    if has_shared and clamp == clamp_shared:  # one launch over all k + 1 rows
+    if one_swiglu:
         _swiglu_launch(sc.h, getattr(sc, g), getattr(sc, u), sc.w_ext, clamp, col, stream,
                        threads)
     else:
         _swiglu_launch(R["h"], R[g], R[u], sc.w_k, clamp, col, stream, threads)
-        if has_shared:
-            _swiglu_launch(S["h"], S[g], S[u], sc.w_one, clamp_shared, col, stream, threads)
     gemv(R["down"], down_exps, R["h"], sc.ids_k, stream, threads)
-    if has_shared:
+    if one_swiglu:
         gemv(S["down"], shared_down, S["h"], None, stream, threads)
+    if has_shared and side is not None:
+        side.join(stream)
     combine_chunk(out, sc.down_r3, S["down"] if has_shared else sc.zero, stream, threads)
 
 

@@ -70,6 +70,8 @@ RUNS = [
     ("dp4a", 3, 10, 128, 2, True, None),
     ("batched", 1, 70, 96, 37, False, None),  # two row tiles and two token tiles
     ("batched", 3, 19, 96, 7, True, None),
+    ("batched", 1, 70, 160, 37, False, 3),  # K in 3 splits (the last one short), then summed
+    ("batched", 3, 19, 128, 7, True, 2),
 ]
 
 

@@ -5,6 +5,7 @@ from numba import cuda
 
 from kernels.kernel_testing import THREADS, fresh_rng, poisoned, rel_err
 from pocketfm.kernels import moe
+from pocketfm.kernels.device import SideStream
 from pocketfm.kernels.gemv import pack_weight
 from pocketfm.quants import GGMLType, random_blocks
 
@@ -171,13 +172,15 @@ def test_combine_chunk_matches_ref():
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
 
 
-def test_broadcast_rows_copies_x():
-    x = fresh_rng().normal(size=(1, 40)).astype(np.float32)
-    out = poisoned((3, 40))
+@pytest.mark.parametrize("T, R", [(1, 3), (2, 6)])
+def test_broadcast_rows_copies_x(T, R):
+    x = fresh_rng().normal(size=(T, 40)).astype(np.float32)
+    out = poisoned((R, 40))
     moe.broadcast_rows(out, cuda.to_device(x), threads=THREADS)
-    ref = np.empty((3, 40), np.float32)
+    ref = np.empty((R, 40), np.float32)
     moe.broadcast_rows_ref(ref, x)
     assert np.array_equal(out.copy_to_host(), ref)
+    assert np.array_equal(ref[-1], x[-1]) and np.array_equal(ref[0], x[0])
 
 
 # ---- the decode sublayer ---------------------------------------------------------------------
@@ -226,8 +229,10 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
             if d["shared_gate"] is not None:
                 d.update(shared_gate=fused["shared_gate"], shared_up=None)
         out = poisoned((1, D))
+        side = SideStream() if step.get("side") else None
         moe.moe_layer(out, d_x, bias=d_bias, tid2eid=d_tid2eid, token=d_token, scratch=scratch,
-                      threads=THREADS, **d, **layer)
+                      threads=THREADS, side=side, **d, **layer)
+        cuda.synchronize()
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
                           tid2eid=tid2eid, token=token, **h, **layer)
@@ -236,10 +241,13 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
 
 def test_moe_layer_matches_ref_q8_0():
     """ds4's types for the small matrices: F16 router, Q8_0 experts. Clamp 1 bites (the
-    projections have std ~2.4); equal clamps take the single SwiGLU launch over k + 1 rows."""
+    projections have std ~2.4); equal clamps take the single SwiGLU launch over k + 1 rows, and
+    with a side stream the shared expert's own chain (concurrent on a GPU)."""
     rng = fresh_rng()
     D, F, E, k = 64, 32, 8, 2
-    _check_moe_layer(rng, _weights(rng, D, F, E), D, F, E, k, [dict(clamp=1.0, clamp_shared=1.0)])
+    _check_moe_layer(rng, _weights(rng, D, F, E), D, F, E, k,
+                     [dict(clamp=1.0, clamp_shared=1.0),
+                      dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True)])
 
 
 def test_moe_layer_hash_two_steps_split_clamps_f32():

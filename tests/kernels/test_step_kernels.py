@@ -1,5 +1,6 @@
 """The decode step's bookkeeping kernels against their NumPy twins (engine/step_kernels.py)."""
 import numpy as np
+import pytest
 from numba import cuda
 
 from .kernel_testing import fresh_rng
@@ -47,9 +48,20 @@ def test_store_row_writes_the_ring_slot_of_pos():
         assert np.array_equal(ring[pos % 5], row[0])
 
 
-def test_scale():
-    x = fresh_rng().standard_normal((1, 150)).astype(np.float32)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_scale(rows):
+    x = fresh_rng().standard_normal((rows, 150)).astype(np.float32)
     d = cuda.to_device(x)
     sk.scale(d, 0.125)
     sk.scale_ref(x, 0.125)
     assert np.array_equal(d.copy_to_host(), x)
+
+
+def test_swap_leading_axes():
+    x = fresh_rng().standard_normal((3, 5, 7)).astype(np.float32)
+    out = cuda.to_device(np.full((5, 3, 7), np.nan, np.float32))
+    sk.swap_leading(out, cuda.to_device(x))
+    ref = np.empty((5, 3, 7), np.float32)
+    sk.swap_leading_ref(ref, x)
+    assert np.array_equal(out.copy_to_host(), ref)
+    assert np.array_equal(ref[4, 2], x[2, 4])

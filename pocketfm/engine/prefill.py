@@ -1,0 +1,270 @@
+"""Chunked prefill on the GPU: the prompt in chunks of T tokens, each layer batched over the chunk.
+
+A chunk runs the decode step's sublayers with every activation [T, ...] instead of [1, ...]::
+
+    embed        e[T] = token_embd[ids[p0 .. p0+T)]; X = 4 copies
+    per layer    HC pre, norms, q / kv as GEMMs over the chunk, RoPE at each token's position,
+                 kv packed into the chunk's 584 B entries; the compressors over the chunk
+                 (compressor_chunk: every block the chunk completes, emitted into the caches);
+                 on CSA layers the indexer scores each token's visible keys and keeps its
+                 top-k (indexer_scores_chunk + topk_chunk); sink attention of every token over
+                 the ring, the chunk's own earlier entries and its compressed entries
+                 (attention_prefill), then the chunk enters the ring; the grouped output
+                 projection as one GEMM per group; HC post. MoE: router GEMM, per-token routes,
+                 the routed experts as an expert-indexed GEMV over the T·k (token, expert) rows,
+                 the shared expert as GEMMs.
+    no head      the chunk's logits are never needed: prefill stops one token short of the
+                 prompt, and the decode step ingests the last prompt token and samples.
+
+Every causal rule is per token (window, visible compressed entries, top-k among the visible),
+so the result equals the decode step's token by token (tested in the simulator against the
+NumPy forward). Chunks are launched eagerly from Python, ~1,000 launches per chunk (~20 ms of
+launch time, small beside a chunk's work); their positions reach the kernels through one small
+int32 table copied to the device per chunk. Buffers are allocated once, for the largest chunk.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from numba import cuda
+
+from ..kernels.attention_prefill import attention_prefill, store_chunk_rows
+from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_chunk
+from ..kernels.embed_sample import embed
+from ..kernels.gemv import gemv
+from ..kernels.hc import hc_post, hc_pre
+from ..kernels.indexer import indexer_scores_chunk, topk_chunk
+from ..kernels.kvpack import kv_entry_bytes
+from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
+from ..kernels.norm_rope import rmsnorm, rope
+from ..kernels.qat import hadamard_fp4, kv_pack
+from . import step_kernels as sk
+from .device_weights import index_weight_scale
+
+DEFAULT_CHUNK = 512
+SCORES_FLOATS = 64 << 20  # indexer scores workspace: 256 MiB
+
+
+class ChunkPrefill:
+    """Prefill for one ``DecodeEngine`` (its weights and caches), chunks of up to ``chunk``."""
+
+    def __init__(self, eng, chunk: int = DEFAULT_CHUNK):
+        self.eng, self.cfg, self.T = eng, eng.cfg, int(chunk)
+        self._alloc()
+        self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
+
+    # ---- buffers, for the largest chunk; a shorter chunk takes views [:T] ----------------------
+    def _alloc(self):
+        eng, cfg, T = self.eng, self.cfg, self.T
+        s = eng.stream
+        D, HC, H, K, G = cfg.dim, cfg.hc_mult, cfg.n_heads, cfg.head_dim, cfg.o_groups
+        HI, DI, k, F = cfg.index_heads, cfg.index_dim, cfg.n_experts_used, cfg.moe_dim
+        f32 = np.float32
+
+        self._buffers = []
+
+        def buf(*shape, dtype=f32):
+            self._buffers.append(cuda.device_array(shape, dtype, stream=s))
+            return self._buffers[-1]
+
+        def put(a):
+            self._buffers.append(cuda.to_device(a, stream=s))
+            return self._buffers[-1]
+        nr = len(eng.ratios)
+        self.table = buf(1 + (1 + nr) * T, dtype=np.int32)  # p0, pos[T], visible counts [T]/ratio
+        self.e = buf(T, D)
+        self.X = (buf(T, HC, D), buf(T, HC, D))
+        self.u_in, self.u = buf(T, D), buf(T, D)
+        self.post, self.comb = buf(T, HC), buf(T, HC, HC)
+        self.cq, self.q = buf(T, cfg.q_rank), buf(T, H, K)
+        self.kv = buf(T, K)
+        self.kv_rows = buf(T, kv_entry_bytes(K, cfg.rope_dim), dtype=np.uint8)
+        widths = {cfg.coff(i) * K for i in range(cfg.n_layers) if cfg.ratio(i)}
+        self.comp_in = {w: (buf(T, w), buf(T, w)) for w in widths}
+        self.comp_scratch = {r: buf(T // r + 1, K) for r in eng.ratios}
+        self.idx_in = (buf(T, 2 * DI), buf(T, 2 * DI))
+        self.idx_scratch = buf(T // 4 + 1, DI)
+        self.qi, self.qi_rot, self.idx_w = buf(T, HI, DI), buf(T, HI, DI), buf(T, HI)
+        # [rows, visible keys] per scoring pass, reshaped per chunk; bounded, so a long context
+        # scores a chunk's tokens in several passes rather than hold T x ctx/4 floats
+        self.scores = buf(min(T * max(1, eng.capacity // 4), SCORES_FLOATS))
+        self.sel = buf(T, cfg.index_topk, dtype=np.int32)
+        self.no_sel = put(np.full((T, 1), -1, np.int32))
+        self.zeros_T = put(np.zeros(T, np.int32))
+        self.ones_T = put(np.ones(T, f32))
+        self.o = buf(T, H, K)
+        self.o_groups = buf(G, T, H // G * K)
+        self.y_groups, self.y = buf(G, T, cfg.o_rank), buf(T, G, cfg.o_rank)
+        self.f = buf(T, D)
+        self.router, self.route_w = buf(T, cfg.n_experts), buf(T, k)
+        self.route_ids = buf(T, k, dtype=np.int32)
+        self.x_rep = buf(T * k, D)
+        self.gate_up, self.h, self.down = buf(T * k, 2 * F), buf(T * k, F), buf(T * k, D)
+        self.sh_gate_up, self.sh_h = buf(T, 2 * F), buf(T, F)
+        self.sh_down = put(np.zeros((T, D), f32))
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the chunk buffers (the prefill's workspace)."""
+        return sum(int(a.nbytes) for a in self._buffers)
+
+    # ---- the prompt ----------------------------------------------------------------------------
+    def ingest(self, n: int, progress=None, start: int = 0) -> float:
+        """Run positions start .. n-1 (the tokens already in ``eng.ids``) through every layer,
+        in chunks; the caches then hold them and the next decode step is position n. Returns
+        seconds (synchronised). ``progress(done, n, seconds)`` after each chunk."""
+        eng = self.eng
+        t0 = time.perf_counter()
+        for p0 in range(start, n, self.T):
+            self.chunk(p0, min(self.T, n - p0))
+            if progress:
+                eng.stream.synchronize()
+                progress(min(n, p0 + self.T), n, time.perf_counter() - t0)
+        eng.set_position(n)
+        eng.stream.synchronize()
+        return time.perf_counter() - t0
+
+    def chunk(self, p0: int, T: int) -> None:
+        """Launch one chunk: tokens at positions p0 .. p0+T-1 (no host sync)."""
+        eng, cfg, s = self.eng, self.cfg, self.eng.stream
+        pos = np.arange(p0, p0 + T, dtype=np.int32)
+        table = np.concatenate([[p0], pos, *[(pos + 1) // r for r in eng.ratios]]).astype(np.int32)
+        self.table[:len(table)].copy_to_device(table, stream=s)
+        self.pos0, self.pos, self.end = self.table[0:1], self.table[1:1 + T], p0 + T
+        self.visible = {r: self.table[1 + (j + 1) * T:1 + (j + 2) * T]
+                        for j, r in enumerate(eng.ratios)}
+        tokens = eng.ids[p0:p0 + T]
+        embed(self.e[:T], eng.w.embed, tokens, s, threads=eng.nt)
+        X = self.X[0][:T]
+        broadcast_rows(X.reshape(T * cfg.hc_mult, cfg.dim), self.e[:T], s, threads=eng.nt)
+        a, b = self.X[0][:T], self.X[1][:T]
+        for i in range(cfg.n_layers):
+            self._attention(i, T, a, b)
+            self._ffn(i, T, tokens, b, a)
+
+    def _attention(self, i: int, T: int, X, X_out) -> None:
+        eng, cfg, s = self.eng, self.cfg, self.eng.stream
+        L, c, nt, sim = eng.w.layers[i], eng.caches[i], eng.nt, eng.sim
+        H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
+        u, cq, q, kv = self.u[:T], self.cq[:T], self.q[:T], self.kv[:T]
+        hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_attn, eps, cfg.hc_eps,
+               cfg.hc_iters, s, threads=nt, **sim)
+        rmsnorm(u, self.u_in[:T], L.attn_norm, eps, True, s, threads=nt, **sim)
+        gemv(cq, L.q_a, u, None, s, threads=nt)
+        rmsnorm(cq, cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
+        gemv(q.reshape(T, H * K), L.q_b, cq, None, s, threads=nt)
+        q2 = q.reshape(T * H, K)
+        rmsnorm(q2, q2, eng.ones[:K], eps, False, s, threads=nt, **sim)  # weightless, per head
+        rope(q, q, self.pos, L.freqs, False, s, threads=nt, **sim)
+        gemv(kv, L.kv, u, None, s, threads=nt)
+        rmsnorm(kv, kv, L.kv_norm, eps, True, s, threads=nt, **sim)
+        kv3 = kv.reshape(T, 1, K)
+        rope(kv3, kv3, self.pos, L.freqs, False, s, threads=nt, **sim)
+        rows = self.kv_rows[:T]
+        kv_pack(rows, kv, R, stream=s, threads=nt)  # the chunk's own 584 B entries
+        if c.ratio:  # every block the chunk completes lands in c.comp before attention reads it
+            a, g = (x[:T] for x in self.comp_in[c.state_kv.shape[1]])
+            gemv(a, L.comp_kv, u, None, s, threads=nt)
+            gemv(g, L.comp_gate, u, None, s, threads=nt)
+            compressor_chunk(c.state_kv, c.state_score, a, g, L.comp_ape, self.pos0, c.ratio,
+                             cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, c.comp,
+                             scratch=self.comp_scratch[c.ratio], stream=s, threads=nt)
+        o = self.o[:T]
+        args = (o, q, c.window, rows)
+        scale = 1.0 / math.sqrt(K)
+        if cfg.is_csa(i):
+            sel = self._indexer(i, T, L, c)
+            attention_prefill(*args, c.comp, sel, self.visible[c.ratio], 0, self.pos0, L.sinks,
+                              scale, stream=s, threads=nt)
+        elif c.ratio:  # HCA: every visible entry
+            attention_prefill(*args, c.comp, self.no_sel[:T], self.visible[c.ratio], 1,
+                              self.pos0, L.sinks, scale, stream=s, threads=nt)
+        else:
+            attention_prefill(*args, eng.no_comp, self.no_sel[:T], self.zeros_T[:T], 0,
+                              self.pos0, L.sinks, scale, stream=s, threads=nt)
+        store_chunk_rows(c.window, rows, self.pos0, stream=s, threads=nt)
+        rope(o, o, self.pos, L.freqs, True, s, threads=nt, **sim)
+        self._grouped_out_a(i, T, o)
+        f = self.f[:T]
+        gemv(f, L.out_b, self.y[:T].reshape(T, cfg.o_groups * cfg.o_rank), None, s, threads=nt)
+        hc_post(X_out, f, X, self.post[:T], self.comb[:T], s, threads=nt, **sim)
+
+    def _grouped_out_a(self, i: int, T: int, o) -> None:
+        """y[t, g] = out_a[g] · o[t, g]: rows put in group-major order, so that the
+        expert-indexed GEMM's token tiles each hold one group (one weight), then back."""
+        cfg, s, nt = self.cfg, self.eng.stream, self.eng.nt
+        G = cfg.o_groups
+        o_g, y_g = self._view(self.o_groups, G, T), self._view(self.y_groups, G, T)
+        sk.swap_leading(o_g, o.reshape(T, G, o.shape[1] // G * o.shape[2]), s)
+        if T not in self._group_ids:
+            self._group_ids[T] = cuda.to_device(np.repeat(np.arange(G, dtype=np.int32), T),
+                                                stream=s)
+        gemv(y_g.reshape(G * T, cfg.o_rank), self.eng.w.layers[i].out_a,
+             o_g.reshape(G * T, o_g.shape[2]), self._group_ids[T], s, threads=nt)
+        sk.swap_leading(self.y[:T], y_g, s)
+
+    @staticmethod
+    def _view(full, G: int, T: int):
+        """The first G·T rows of a [G, Tmax, n] buffer as a contiguous [G, T, n] array."""
+        n = full.shape[2]
+        return full.reshape(G * full.shape[1] * n)[:G * T * n].reshape(G, T, n)
+
+    def _indexer(self, i: int, T: int, L, c):
+        """Each token's top-k visible compressed entries, sel[T, k] (-1 pads)."""
+        eng, cfg, s, nt, sim = self.eng, self.cfg, self.eng.stream, self.eng.nt, self.eng.sim
+        HI, DI, u = cfg.index_heads, cfg.index_dim, self.u[:T]
+        ia, ig = (x[:T] for x in self.idx_in)
+        gemv(ia, L.idx_kv, u, None, s, threads=nt)
+        gemv(ig, L.idx_gate, u, None, s, threads=nt)
+        compressor_chunk(c.index_kv, c.index_score, ia, ig, L.idx_ape, self.pos0, c.ratio, True,
+                         L.idx_norm, L.freqs, cfg.rms_eps, MODE_INDEX_FP4, None, c.index_keys,
+                         scratch=self.idx_scratch, stream=s, threads=nt)
+        qi, qi_rot, w = self.qi[:T], self.qi_rot[:T], self.idx_w[:T]
+        gemv(qi.reshape(T, HI * DI), L.idx_q_b, self.cq[:T], None, s, threads=nt)
+        rope(qi, qi, self.pos, L.freqs, False, s, threads=nt, **sim)
+        hadamard_fp4(qi_rot, qi, True, stream=s, threads=nt, **sim)
+        gemv(w, L.idx_proj, u, None, s, threads=nt)
+        sk.scale(w, index_weight_scale(cfg), s)
+        n_keys = max(1, self.end // c.ratio)  # entries visible to the chunk's last token
+        rows = max(1, min(T, self.scores.shape[0] // n_keys))
+        visible, sel = self.visible[c.ratio], self.sel[:T]
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            scores = self.scores[:(t1 - t0) * n_keys].reshape(t1 - t0, n_keys)
+            indexer_scores_chunk(scores, qi_rot[t0:t1], w[t0:t1], c.index_keys,
+                                 visible[t0:t1], stream=s, threads=nt)
+            topk_chunk(sel[t0:t1], scores, visible[t0:t1], cfg.index_topk, stream=s,
+                       threads=nt)
+        return sel
+
+    def _ffn(self, i: int, T: int, tokens, X, X_out) -> None:
+        eng, cfg, s = self.eng, self.cfg, self.eng.stream
+        L, nt, sim, k = eng.w.layers[i], eng.nt, eng.sim, cfg.n_experts_used
+        v = self.u[:T]
+        hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_ffn, cfg.rms_eps,
+               cfg.hc_eps, cfg.hc_iters, s, threads=nt, **sim)
+        rmsnorm(v, self.u_in[:T], L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
+        ids, w = self.route_ids[:T], self.route_w[:T]
+        gemv(self.router[:T], L.router, v, None, s, threads=nt)
+        route_chunk(ids, w, self.router[:T], L.bias, L.tid2eid, tokens,
+                    int(cfg.is_hash_layer(i)), cfg.routed_scale, int(cfg.norm_topk), s,
+                    threads=nt)
+        # routed experts: row t·k + j is token t through expert ids[t, j], weight w[t, j]
+        Tk = T * k
+        x_rep, gu, h, down = self.x_rep[:Tk], self.gate_up[:Tk], self.h[:Tk], self.down[:Tk]
+        flat_ids = ids.reshape(Tk)
+        broadcast_rows(x_rep, v, s, threads=nt)
+        gemv(gu, L.gate_up, x_rep, flat_ids, s, threads=nt)
+        swiglu_fused(h, gu, w.reshape(Tk), cfg.swiglu_clamp[i], s, threads=nt)
+        gemv(down, L.down, h, flat_ids, s, threads=nt)
+        shared = self.sh_down[:T]  # stays zero when the model has no shared expert
+        if L.shared_gate_up is not None:
+            sgu, sh = self.sh_gate_up[:T], self.sh_h[:T]
+            gemv(sgu, L.shared_gate_up, v, None, s, threads=nt)
+            swiglu_fused(sh, sgu, self.ones_T[:T], cfg.swiglu_clamp_shared[i], s, threads=nt)
+            gemv(shared, L.shared_down, sh, None, s, threads=nt)
+        f = self.f[:T]
+        combine_chunk(f, down.reshape(T, k, cfg.dim), shared, s, threads=nt)
+        hc_post(X_out, f, X, self.post[:T], self.comb[:T], s, threads=nt, **sim)
