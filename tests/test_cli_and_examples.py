@@ -20,6 +20,21 @@ def test_run_embedded_model_streams_text_and_summary():
     assert "prompt tokens" in last and "tok/s" in last
 
 
+def test_run_reports_prefill_progress_on_stderr():
+    """A prompt longer than one chunk: a progress line per chunk (tok/s) on stderr, ending with
+    every prompt token; stdout keeps the text and the JSON summary."""
+    res = CliRunner().invoke(main, ["run", "--prompt", "one two three four five six seven",
+                                    "--max-tokens", "2", "--prefill-chunk", "3", "--device",
+                                    "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    n = json.loads(res.stdout.strip().splitlines()[-1])["prompt_tokens"]
+    assert n > 3
+    reports = [r for r in res.stderr.replace("\r", "\n").splitlines() if r.startswith("prefill:")]
+    assert len(reports) == -(-n // 3) and reports[-1].startswith(f"prefill: {n}/{n} tokens, ")
+    assert reports[-1].rstrip().endswith("tok/s")
+    assert "prefill:" not in res.stdout
+
+
 def test_run_json_is_deterministic_and_cpu_qat_switch(official_path):
     args = ["run", "--model", official_path, "--prompt", "abc", "--max-tokens", "5", "--json"]
     a = json.loads(CliRunner().invoke(main, args).stdout.strip().splitlines()[-1])

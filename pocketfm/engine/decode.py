@@ -49,6 +49,9 @@ from ..weights import Weights
 from .device_weights import DeviceWeights, GGUFSource, index_weight_scale
 
 
+NEG_INF_BITS = int(np.array(-np.inf, np.float32).view(np.uint32))  # 0xFF800000
+
+
 class LayerCache:
     """One layer's device-resident cache: window ring, compressed entries, compressor state."""
 
@@ -72,13 +75,14 @@ class LayerCache:
             self.index_score = cuda.device_array((2 * r, 2 * DI), np.float32, stream=stream)
 
     def reset(self, stream) -> None:
-        """A fresh sequence: empty ring and entries, compressor scores -inf (RunState's)."""
+        """A fresh sequence: empty ring and entries, compressor scores -inf (RunState's); filled
+        on the device (no host copy of the whole cache)."""
         for a in (self.window, self.comp, self.state_kv, self.index_keys, self.index_kv):
             if a is not None:
-                a.copy_to_device(np.zeros(a.shape, a.dtype), stream=stream)
+                sk.fill_words(a.view(np.uint32), 0, stream)
         for a in (self.state_score, self.index_score):
             if a is not None:
-                a.copy_to_device(np.full(a.shape, -np.inf, np.float32), stream=stream)
+                sk.fill_words(a.view(np.uint32), NEG_INF_BITS, stream)
 
     @property
     def nbytes(self) -> int:

@@ -55,6 +55,11 @@ def scale_ref(x, c: float) -> None:
     x *= np.float32(c)
 
 
+def fill_words_ref(words, bits: int) -> None:
+    """words[R, n] uint32 = bits everywhere."""
+    words[...] = np.uint32(bits)
+
+
 def swap_leading_ref(out, x) -> None:
     """out[B, A, C] = x[A, B, C] with the two leading axes swapped."""
     out[...] = np.swapaxes(x, 0, 1)
@@ -100,6 +105,13 @@ def _scale(x, c):
 
 
 @device.kernel
+def _fill_words(words, bits):
+    R, n = words.shape
+    for i in range(cuda.grid(1), R * n, cuda.gridsize(1)):
+        words[i // n, i % n] = bits
+
+
+@device.kernel
 def _swap_leading(out, x):
     """Grid-stride over the outputs, consecutive threads along C (both sides coalesced)."""
     B, A, C = out.shape
@@ -133,6 +145,13 @@ def scale(x, c: float, stream=0) -> None:
     _scale[min(cdiv(x.size, nt), 1024), nt, stream](x, np.float32(c))
 
 
+def fill_words(words, bits: int, stream=0) -> None:
+    """words uint32 [R, n] = bits: a cache reset on the device (a float32 or packed uint8 array
+    seen as 32-bit words), instead of copying gigabytes of host zeros at a long context."""
+    nt = 256
+    _fill_words[min(cdiv(words.size, nt), 4096), nt, stream](words, np.uint32(bits))
+
+
 def swap_leading(out, x, stream=0) -> None:
     """out float32 [B, A, C] <- x [A, B, C]: a chunk's [tokens, groups, ...] activations to
     group-major order and back, so that each output group runs as one GEMM over its tokens."""
@@ -150,4 +169,5 @@ PTX_SIGNATURES = [
     (_store_row, "void(uint8[:, ::1], uint8[:, ::1], int32[::1])"),
     (_scale, "void(float32[:, ::1], float32)"),
     (_swap_leading, "void(float32[:, :, ::1], float32[:, :, ::1])"),
+    (_fill_words, "void(uint32[:, ::1], uint32)"),
 ]

@@ -65,3 +65,18 @@ def test_swap_leading_axes():
     sk.swap_leading_ref(ref, x)
     assert np.array_equal(out.copy_to_host(), ref)
     assert np.array_equal(ref[4, 2], x[2, 4])
+
+
+def test_fill_words_resets_packed_and_float_caches():
+    from pocketfm.engine.decode import NEG_INF_BITS
+
+    rng = fresh_rng()
+    packed = cuda.to_device(rng.integers(0, 256, (5, 584), dtype=np.uint8))
+    sk.fill_words(packed.view(np.uint32), 0)
+    assert not packed.copy_to_host().any()
+    scores = cuda.to_device(rng.standard_normal((3, 7)).astype(np.float32))
+    sk.fill_words(scores.view(np.uint32), NEG_INF_BITS)
+    assert np.all(scores.copy_to_host() == -np.inf)
+    ref = np.ones((2, 3), np.uint32)
+    sk.fill_words_ref(ref, 7)
+    assert np.all(ref == 7)
