@@ -456,18 +456,11 @@ def decode_splits(H: int, K: int, slots: int, threads: int) -> tuple[int, int]:
     """(splits P, head groups) of the decode grid for ``slots`` key slots (W + S or W + Ncap):
     about four blocks per SM, at most one split per KC-slot tile and at most MAX_SPLITS."""
     groups = cdiv(H, threads // 32 * HPW)
-    sms = 1 if device.SIMULATOR else _sm_count()
+    sms = device.sm_count()
     P = max(1, min(cdiv(slots, KC), cdiv(4 * sms, groups), MAX_SPLITS))
     return P, groups
 
 
-_SM_COUNT = []
-
-
-def _sm_count() -> int:
-    if not _SM_COUNT:
-        _SM_COUNT.append(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    return _SM_COUNT[0]
 
 
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,

@@ -178,6 +178,17 @@ def device_empty(shape, dtype, stream=0):
     return cuda.device_array(shape, dtype=dtype, stream=stream)
 
 
+_SM_COUNT: list = []
+
+
+def sm_count() -> int:
+    """Multiprocessors of the current device, read once (1 in the simulator, which has no
+    device attributes): the launchers size their grids from it."""
+    if not _SM_COUNT:
+        _SM_COUNT.append(1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    return _SM_COUNT[0]
+
+
 def gpu_available() -> bool:
     """True on a real CUDA device (never in the simulator)."""
     return not SIMULATOR and cuda.is_available()

@@ -40,7 +40,7 @@ from numba import cuda
 
 from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
 from .bench import BenchCase
-from .device import SIMULATOR, block_sum, capture_graph, cdiv, kernel, warp_sum
+from .device import SIMULATOR, block_sum, capture_graph, cdiv, kernel, sm_count, warp_sum
 from .qweight import QWeight
 
 DECODE_MAX_TOKENS = 4  # shared weights: up to this many tokens use the decode kernel
@@ -563,16 +563,8 @@ def gemm_splits(blocks: int, K: int) -> int:
     """K splits for a tiled GEMM of ``blocks`` output tiles: enough for two blocks per SM
     (a 512-token chunk through a 1024-row weight has only 32 tiles for 132 SMs), each split at
     least two TK steps long."""
-    want = cdiv(2 * _sm_count(), blocks)
+    want = cdiv(2 * sm_count(), blocks)
     return max(1, min(want, K // (2 * TK)))
-
-
-def _sm_count() -> int:
-    if SIMULATOR:
-        return 1
-    if "sms" not in _STATE:
-        _STATE["sms"] = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    return _STATE["sms"]
 
 
 def _split_partials(S: int, T: int, N: int):
@@ -638,7 +630,7 @@ def _max_blocks(threads: int) -> int:
     simulator, so tests cover the grid-stride loop)."""
     if SIMULATOR:
         return 2
-    return _sm_count() * max(1, 1024 // threads)  # best of 4 / 8 / 16 x 128 threads
+    return sm_count() * max(1, 1024 // threads)  # best of 4 / 8 / 16 x 128 threads
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None):

@@ -268,17 +268,6 @@ def _scorer_kernels(HI: int, DI: int, NT: int):
     return _SCORERS[key]
 
 
-_SM_COUNT = []
-
-
-def _sm_count() -> int:
-    """Multiprocessors of the current device (1 in the simulator, which has no attributes)."""
-    if not _SM_COUNT:
-        _SM_COUNT.append(1 if device.SIMULATOR
-                         else cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    return _SM_COUNT[0]
-
-
 _RESIDENT: dict = {}
 
 
@@ -561,7 +550,7 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
         work = _WORKSPACE[0]
     nt = min(threads or TOPK_THREADS, 1024)
     # at most one block per SM, so all are resident for the grid barriers; ~4 entries a thread
-    blocks = 1 if device.SIMULATOR else max(1, min(_sm_count(), cdiv(N, 4 * nt)))
+    blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
     _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work)
 
 
