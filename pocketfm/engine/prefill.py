@@ -114,16 +114,25 @@ class ChunkPrefill:
     def ingest(self, n: int, progress=None, start: int = 0) -> float:
         """Run positions start .. n-1 (the tokens already in ``eng.ids``) through every layer,
         in chunks; the caches then hold them and the next decode step is position n. Returns
-        seconds (synchronised). ``progress(done, n, seconds)`` after each chunk."""
+        seconds (synchronised). ``progress(done, n, seconds)`` as each chunk completes: the
+        host waits for chunk c only once chunk c+1 is launched, so the GPU never idles while
+        Python launches a chunk's ~1,000 kernels."""
         eng = self.eng
         t0 = time.perf_counter()
+        queued = None  # (event after the previous chunk, its end position)
         for p0 in range(start, n, self.T):
             self.chunk(p0, min(self.T, n - p0))
             if progress:
-                eng.stream.synchronize()
-                progress(min(n, p0 + self.T), n, time.perf_counter() - t0)
+                done = cuda.event()
+                done.record(eng.stream)
+                if queued:
+                    queued[0].synchronize()
+                    progress(queued[1], n, time.perf_counter() - t0)
+                queued = (done, min(n, p0 + self.T))
         eng.set_position(n)
         eng.stream.synchronize()
+        if queued:
+            progress(queued[1], n, time.perf_counter() - t0)
         return time.perf_counter() - t0
 
     def chunk(self, p0: int, T: int) -> None:
