@@ -266,6 +266,62 @@ def _put(smem, smem_u, kcode, it, word, sword, K, KW, NOPE):
 
 
 @_inline
+def _init_heads(qr, acc, mr, lr, qrows, h0, lane, scale, ND):
+    """This warp's heads h0 .. h0+HPW-1: its lane's dims of q (scaled) in qr, accumulators
+    zero, running max -inf, running sum 0 (qrows [H, K]: one token's queries)."""
+    H = qrows.shape[0]
+    zero = float32(0.0)
+    for hh in range(HPW):
+        h = h0 + hh
+        mr[hh] = -math.inf
+        lr[hh] = zero
+        for i in range(DPL):
+            ok = h < H and i < ND
+            qr[hh * DPL + i] = qrows[h, _dim(i, lane)] * scale if ok else zero
+            acc[hh * DPL + i] = zero
+
+
+@_inline
+def _tile_softmax(smem, kcode, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS):
+    """A decoded tile of KC keys (shared memory, codes kcode; -1 = no key) into this warp's
+    heads: scores, then the online softmax (rescale acc / lr by the new running max mr, add
+    p·key). Block-uniform, and ends on a block barrier: the caller decodes the next tile."""
+    live = 0
+    for kk in range(KC):
+        live += 1 if kcode[kk] >= 0 else 0
+    if live == 0:  # block-uniform: nothing valid in this tile (e.g. CSA holes)
+        cuda.syncthreads()
+        return
+    kb = uint64(lane * 4)
+    _scores4(smem, kb, qr, kv, v, 0, K, ND)  # four calls: v's indices stay literal
+    _scores4(smem, kb, qr, kv, v, 4, K, ND)
+    _scores4(smem, kb, qr, kv, v, 8, K, ND)
+    _scores4(smem, kb, qr, kv, v, 12, K, ND)
+    s = _lane_sums(v, lane, smem[XS + wid * 32 * 33:])
+    smem[SC + wid * 32 + lane] = s if kcode[lane % KC] >= 0 else -math.inf
+    cuda.syncthreads()
+    for hh in range(HPW):  # online softmax: rescale by the new running max
+        mt = mr[hh]
+        for kk in range(KC):
+            mt = max(mt, smem[SC + wid * 32 + hh * KC + kk])
+        alpha = float32(math.exp(mr[hh] - mt))  # first live tile: exp(-inf) = 0
+        for i in range(DPL):
+            acc[hh * DPL + i] *= alpha
+        lr[hh] *= alpha
+        mr[hh] = mt
+    for kk in range(KC):
+        kb = uint64(kk * K + lane * 4)
+        for i in range(DPL):
+            kv[i] = smem[kb + uint64(_dim(i, 0))] if i < ND else float32(0.0)
+        for hh in range(HPW):
+            pv = float32(math.exp(smem[SC + wid * 32 + hh * KC + kk] - mr[hh]))
+            lr[hh] += pv
+            for i in range(DPL):
+                acc[hh * DPL + i] += pv * kv[i]
+    cuda.syncthreads()
+
+
+@_inline
 def _scores4(smem, kb, qr, kv, v, k0, K, ND):
     """v[hh·KC + kk] = this lane's part of q_hh · key kk, for kk = k0 .. k0+3 (its ND dims)."""
     for u in range(4):
@@ -326,15 +382,7 @@ def _split_kernel(K: int, R: int, NT: int):
         v = cuda.local.array(32, float32)
         mr = cuda.local.array(HPW, float32)
         lr = cuda.local.array(HPW, float32)
-        zero = float32(0.0)
-        for hh in range(HPW):
-            h = h0 + hh
-            mr[hh] = -math.inf
-            lr[hh] = zero
-            for i in range(DPL):
-                ok = h < H and i < ND
-                qr[hh * DPL + i] = q[h, _dim(i, lane)] * scale if ok else zero
-                acc[hh * DPL + i] = zero
+        _init_heads(qr, acc, mr, lr, q, h0, lane, scale, ND)
         nwin = min(int(n_window[0]), W)
         slots = ncap if all_visible else sel.shape[0]
         per = ((W + slots + P - 1) // P + KC - 1) // KC * KC  # whole tiles per split
@@ -366,39 +414,7 @@ def _split_kernel(K: int, R: int, NT: int):
                 _put(smem, smem_u, kcode, it + 2 * NT, w2, x2, K, KW, NOPE)
                 _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE)
             cuda.syncthreads()
-            live = 0
-            for kk in range(KC):
-                live += 1 if kcode[kk] >= 0 else 0
-            if live == 0:  # block-uniform: nothing valid in this tile
-                cuda.syncthreads()
-                continue
-            kb = uint64(lane * 4)
-            _scores4(smem, kb, qr, kv, v, 0, K, ND)  # four calls: v's indices stay literal
-            _scores4(smem, kb, qr, kv, v, 4, K, ND)
-            _scores4(smem, kb, qr, kv, v, 8, K, ND)
-            _scores4(smem, kb, qr, kv, v, 12, K, ND)
-            s = _lane_sums(v, lane, smem[XS + wid * 32 * 33:])
-            smem[SC + wid * 32 + lane] = s if kcode[lane % KC] >= 0 else -math.inf
-            cuda.syncthreads()
-            for hh in range(HPW):  # online softmax: rescale by the new running max
-                mt = mr[hh]
-                for kk in range(KC):
-                    mt = max(mt, smem[SC + wid * 32 + hh * KC + kk])
-                alpha = float32(math.exp(mr[hh] - mt))  # first live tile: exp(-inf) = 0
-                for i in range(DPL):
-                    acc[hh * DPL + i] *= alpha
-                lr[hh] *= alpha
-                mr[hh] = mt
-            for kk in range(KC):
-                kb = uint64(kk * K + lane * 4)
-                for i in range(DPL):
-                    kv[i] = smem[kb + uint64(_dim(i, 0))] if i < ND else zero
-                for hh in range(HPW):
-                    pv = float32(math.exp(smem[SC + wid * 32 + hh * KC + kk] - mr[hh]))
-                    lr[hh] += pv
-                    for i in range(DPL):
-                        acc[hh * DPL + i] += pv * kv[i]
-            cuda.syncthreads()
+            _tile_softmax(smem, kcode, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
         for hh in range(HPW):
             h = h0 + hh
             if h < H:

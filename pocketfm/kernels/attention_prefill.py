@@ -32,8 +32,8 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from .. import ops
 from . import device, kvpack
-from .attention import (DPL, HPW, HPWDPL, KC, _ALIGN, _attend, _dim, _finish, _inline,
-                        _lane_sums, _put, _scores4, _unpack, random_packed_kv, rope_dim_of)
+from .attention import (DPL, HPW, HPWDPL, KC, _ALIGN, _attend, _dim, _finish, _init_heads,
+                        _inline, _put, _tile_softmax, _unpack, random_packed_kv, rope_dim_of)
 from .bench import BenchCase
 from .device import cdiv
 
@@ -205,15 +205,7 @@ def _tile_kernel(K: int, R: int, NT: int):
         v = cuda.local.array(32, float32)
         mr = cuda.local.array(HPW, float32)
         lr = cuda.local.array(HPW, float32)
-        zero = float32(0.0)
-        for hh in range(HPW):
-            h = h0 + hh
-            mr[hh] = -math.inf
-            lr[hh] = zero
-            for i in range(DPL):
-                ok = h < H and i < ND
-                qr[hh * DPL + i] = q[t, h, _dim(i, lane)] * scale if ok else zero
-                acc[hh * DPL + i] = zero
+        _init_heads(qr, acc, mr, lr, q[t], h0, lane, scale, ND)
         p0 = int(pos0[0])
         nwc = _window_count(t, p0, W)
         nslot = nwc + _comp_count(t, sel, n_comp, all_visible, ncap)
@@ -235,39 +227,7 @@ def _tile_kernel(K: int, R: int, NT: int):
                 _put(smem, smem_u, kcode, it + 2 * NT, w2, x2, K, KW, NOPE)
                 _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE)
             cuda.syncthreads()
-            live = 0
-            for kk in range(KC):
-                live += 1 if kcode[kk] >= 0 else 0
-            if live == 0:  # block-uniform: a tile of CSA holes
-                cuda.syncthreads()
-                continue
-            kb = uint64(lane * 4)
-            _scores4(smem, kb, qr, kv, v, 0, K, ND)  # four calls: v's indices stay literal
-            _scores4(smem, kb, qr, kv, v, 4, K, ND)
-            _scores4(smem, kb, qr, kv, v, 8, K, ND)
-            _scores4(smem, kb, qr, kv, v, 12, K, ND)
-            s = _lane_sums(v, lane, smem[XS + wid * 32 * 33:])
-            smem[SC + wid * 32 + lane] = s if kcode[lane % KC] >= 0 else -math.inf
-            cuda.syncthreads()
-            for hh in range(HPW):  # online softmax: rescale by the new running max
-                mt = mr[hh]
-                for kk in range(KC):
-                    mt = max(mt, smem[SC + wid * 32 + hh * KC + kk])
-                alpha = float32(math.exp(mr[hh] - mt))  # first live tile: exp(-inf) = 0
-                for i in range(DPL):
-                    acc[hh * DPL + i] *= alpha
-                lr[hh] *= alpha
-                mr[hh] = mt
-            for kk in range(KC):
-                kb = uint64(kk * K + lane * 4)
-                for i in range(DPL):
-                    kv[i] = smem[kb + uint64(_dim(i, 0))] if i < ND else zero
-                for hh in range(HPW):
-                    pv = float32(math.exp(smem[SC + wid * 32 + hh * KC + kk] - mr[hh]))
-                    lr[hh] += pv
-                    for i in range(DPL):
-                        acc[hh * DPL + i] += pv * kv[i]
-            cuda.syncthreads()
+            _tile_softmax(smem, kcode, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
         for hh in range(HPW):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
             h = h0 + hh
             if h < H:
