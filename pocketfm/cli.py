@@ -1,4 +1,4 @@
-"""The ``pocketfm`` command line: run, inspect, make-model.
+"""The ``pocketfm`` command line: run, inspect, bench, make-model, make-retriever.
 
 Bad input of any kind (flag, file, tensor, metadata key, prompt) ends with one line on stderr,
 ``error: …``, and exit status 2 — no traceback (see errors.py).
@@ -15,6 +15,7 @@ import click
 from .errors import InputError
 
 EMBEDDED_PRESET, EMBEDDED_QUANT, EMBEDDED_SEED = "tiny", "ds4-q2", 0
+MEMORY_MODES = ("lookahead", "global-topk", "full", "recency", "random")  # memory/selection.py
 
 
 class OneLineErrors(click.Group):
@@ -78,6 +79,8 @@ def main():
       pocketfm run --model FILE.gguf --device cuda --ctx 65536 --prompt-file notes.txt
       pocketfm inspect FILE.gguf             # metadata, tensor table, bytes by type
       pocketfm make-model --preset tiny --quant ds4-q2 -o tiny.gguf
+      pocketfm make-retriever -o ret.safetensors   # a Memory Indexer checkpoint
+      pocketfm run --memory-indexer ret.safetensors --prompt-file long.txt --stats
       pocketfm bench --preset flash --ctx 262144   # GPU decode speed, no file needed
     """
 
@@ -108,9 +111,49 @@ def main():
                    "the indexer over the chunk; its buffers grow with it).")
 @click.option("--json", "as_json", is_flag=True,
               help="End with one JSON object (tokens, prompt_tokens, prefill_tok_s, ...).")
+@click.option("--memory-indexer", "retriever_path", type=str, default=None,
+              help="FlashMemory retriever checkpoint (safetensors: the official file or one "
+                   "from make-retriever); selects which compressed entries stay resident.")
+@click.option("--selection", type=click.Choice(MEMORY_MODES), default=None,
+              help="Resident-set policy (default: lookahead with --memory-indexer, else "
+                   "none): lookahead = retriever every --interval steps, threshold + recency "
+                   "tail + pages, native top-k inside; global-topk = the seed's per-step "
+                   "ensemble top-k replacing the native choice; full / recency / random = "
+                   "baselines.")
+@click.option("--ensemble", type=click.Choice(["max", "mean", "or"]), default="max",
+              show_default=True, help="How the retriever layers' scores combine.")
+@click.option("--threshold", type=float, default=0.5, show_default=True,
+              help="Keep chunks whose ensemble score is strictly above this.")
+@click.option("--keep-topk", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Keep the K best chunks instead of thresholding (0 = threshold).")
+@click.option("--interval", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Decode steps between retriever cycles.")
+@click.option("--kmax", type=click.IntRange(min=0), default=None,
+              help="Resident pages at most (0 = chunk granularity, no pages; default: the "
+                   "checkpoint's, 96 for V4-Flash).")
+@click.option("--kmax-ratio", type=float, default=0.0,
+              help="KMAX as this fraction of the context's pages (overrides --kmax).")
+@click.option("--recency-tail", type=click.IntRange(min=0), default=None,
+              help="Newest chunks always resident (default: the checkpoint's, 2048 for "
+                   "V4-Flash).")
+@click.option("--sink", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Oldest chunks always resident.")
+@click.option("--random-ratio", type=float, default=0.10, show_default=True,
+              help="--selection random: share of older chunks resampled each cycle.")
+@click.option("--stats", is_flag=True, help="Print one line per retriever cycle on stderr.")
+@click.option("--recall-diagnostic", is_flag=True,
+              help="Also measure how much of the native full-history top-k lies in the "
+                   "resident set (native_topk_recall in --json).")
 def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top_p, seed,
-        device, no_qat, prefill_chunk, as_json):
-    """Generate text: stream it, then print prompt/generated counts and tok/s."""
+        device, no_qat, prefill_chunk, as_json, retriever_path, selection, ensemble, threshold,
+        keep_topk, interval, kmax, kmax_ratio, recency_tail, sink, random_ratio, stats,
+        recall_diagnostic):
+    """Generate text: stream it, then print prompt/generated counts and tok/s.
+
+    With --memory-indexer (or a --selection baseline) the FlashMemory Memory Indexer decides
+    which compressed entries the native indexer may pick from; --json then adds
+    resident_fraction and the per-cycle stats (memory_cycles).
+    """
     from .generate import load
 
     if prompt is not None and prompt_file is not None:
@@ -142,9 +185,22 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
             click.echo(f"\rprefill: {done}/{total} tokens, {done / max(seconds, 1e-9):.0f} tok/s"
                        + " " * 8, nl=done >= total, err=True)
 
+    memory = None
+    if retriever_path is not None or selection is not None:
+        from .memory import SelectionConfig
+        from .memory.runtime import format_cycle
+
+        sel = SelectionConfig(
+            mode=selection or "lookahead", ensemble=ensemble, threshold=threshold,
+            topk=keep_topk, interval=interval, recency_tail=recency_tail, sink=sink, kmax=kmax,
+            kmax_ratio=kmax_ratio, random_ratio=random_ratio, recall_diagnostic=recall_diagnostic)
+        memory = model.memory_indexer(sel, retriever_path)
+        if stats:
+            memory.on_cycle = lambda c: click.echo("\n" + format_cycle(c), err=True)
     res = model.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          seed=seed, ctx=ctx, chat=chat, prefill_chunk=prefill_chunk,
-                         on_token=emit, progress=progress, on_prefill=prefilled)
+                         on_token=emit, progress=progress, on_prefill=prefilled,
+                         memory=memory)
     click.echo(stream.flush())  # any held-back partial UTF-8, then the newline
     if as_json:
         res.extra.update(device=model.device, model=model.path, text=res.text)
@@ -153,6 +209,12 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
         click.echo(f"[{res.prompt_tokens} prompt tokens, {len(res.tokens)} generated "
                    f"({res.stop_reason}); prefill {res.prefill_tok_s:.1f} tok/s, "
                    f"decode {res.decode_tok_s:.1f} tok/s, device {model.device}]")
+        if memory is not None:
+            m = memory.summary()
+            click.echo(f"[memory: {m['selection']}, {len(m['memory_cycles'])} cycles, "
+                       f"resident fraction {m['resident_fraction']:.3f}"
+                       + (f", native top-k recall {m['native_topk_recall']:.3f}"
+                          if "native_topk_recall" in m else "") + "]")
 
 
 def _read_prompt_file(path: str) -> str:
@@ -283,6 +345,45 @@ def make_model(preset_name, quant, seed, output):
     write_model(cfg, output, quant=quant, seed=seed, name=f"pocketfm-{preset_name}")
     click.echo(f"wrote {output}: {preset_name} ({cfg.n_params() / 1e6:.2f} M params, {quant}, "
                f"{os.path.getsize(output) / 2**20:.2f} MiB)")
+
+
+@main.command("make-retriever")
+@click.option("--model", "model_path", type=str, default=None,
+              help="deepseek4 GGUF file (default: the embedded tiny model).")
+@click.option("-o", "--output", type=str, required=True, help="Output safetensors path.")
+@click.option("--init", type=click.Choice(["native", "random"]), default="native",
+              show_default=True,
+              help="native = start from the model's own indexer weights (as the paper's "
+                   "training does), the rest random; random = all random.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random part.")
+@click.option("--heads", type=click.IntRange(min=1), default=None,
+              help="Retriever heads (default: 2x the model's indexer heads; 128 for V4-Flash).")
+@click.option("--rank", type=click.IntRange(min=1), default=None,
+              help="Query rank (default: 2x the model's q_lora_rank; 2048 for V4-Flash).")
+@click.option("--dtype", type=click.Choice(["F32", "BF16", "F16"]), default="F32",
+              show_default=True, help="Tensor type in the file.")
+def make_retriever_cmd(model_path, output, init, seed, heads, rank, dtype):
+    """Write a deterministic Memory Indexer checkpoint for a model (the official format).
+
+    Layers: the model's CSA layers at the official l10/l12/l20 proportions (all of them when
+    it has three or fewer); the selection geometry (page size, recency tail, KMAX) scaled to
+    the model goes into the file's metadata. The weights are untrained: use it to run and test
+    the whole path; the official trained file for V4-Flash is flashmemory_ds_v4.safetensors.
+    """
+    from .memory import make_retriever, save_retriever
+    from .weights import load_gguf
+
+    path = model_path or embedded_model_path()
+    f = load_gguf(path)
+    ret = make_retriever(f.config, f.weights, init=init, seed=seed, heads=heads, rank=rank)
+    save_retriever(output, ret, dtype, init=init, seed=str(seed),
+                   model=os.path.basename(path))
+    r, g = ret.layers[0], ret.geometry
+    click.echo(f"wrote {output}: {len(ret.layers)} layers (transformer "
+               f"{','.join(str(x.layer) for x in ret.layers)}), {r.heads} heads x "
+               f"{f.config.index_dim}, rank {r.rank}, {init} init, {dtype}; pages of "
+               f"{g.page_size} chunks, recency tail {g.recency_tail} chunks, KMAX {g.kmax} pages "
+               f"({os.path.getsize(output) / 2**20:.2f} MiB)")
 
 
 if __name__ == "__main__":

@@ -167,13 +167,16 @@ class Model:
     def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, ctx: int | None = None, chat: bool = False,
                  prefill_chunk: int = 512, stop_at_eos: bool = True,
-                 on_token=None, progress=None, on_prefill=None) -> GenerationResult:
+                 on_token=None, progress=None, on_prefill=None,
+                 memory=None) -> GenerationResult:
         """Prefill ``prompt`` in chunks, then decode up to ``max_tokens`` tokens.
 
         ``ctx`` is the run's context capacity (prompt + generated); by default the prompt plus
         ``max_tokens``, capped by the model's trained context. ``on_token(id)`` streams ids;
         ``progress(done, total, what)`` reports the GPU weight upload (device cuda);
         ``on_prefill(done, total, seconds)`` reports prompt tokens ingested, per chunk.
+        ``memory``: a ``MemoryIndexer`` (see ``memory_indexer``) selecting the resident
+        compressed entries; its statistics join the result's summary.
         """
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
@@ -182,6 +185,9 @@ class Model:
         if len(ids) > ctx:
             raise InputError(f"prompt: {len(ids)} tokens is longer than --ctx {ctx}")
         rng = np.random.default_rng(seed)
+        if memory is not None and self.device == "cuda":
+            raise InputError("--memory-indexer / --selection: the CUDA backend does not run the "
+                             "Memory Indexer yet; use --device cpu")
         if self.device == "cuda":
             eng = self.engine(ctx, progress)
             r = eng.generate(ids, max_tokens, temperature, top_p,
@@ -193,6 +199,29 @@ class Model:
             return GenerationResult(out, self.tokenizer.decode(text_ids), len(ids),
                                     r["prefill_s"], r["decode_s"], r["decode_steps"], stop)
         state = self.new_state(ctx)
+        if memory is not None:
+            memory.start(len(ids), ctx)
+        self.forward.memory = memory
+        try:
+            res = self._generate_cpu(ids, state, max_tokens, temperature, top_p, rng, ctx,
+                                     prefill_chunk, stop_at_eos, on_token, on_prefill)
+        finally:
+            self.forward.memory = None
+        if memory is not None:
+            res.extra.update(memory.summary())
+        return res
+
+    def memory_indexer(self, selection, checkpoint: str | None = None):
+        """A ``MemoryIndexer`` for this model: ``selection`` a ``memory.SelectionConfig``,
+        ``checkpoint`` a retriever safetensors file (needed by lookahead and global-topk)."""
+        from .memory import MemoryIndexer, load_retriever
+
+        ret = load_retriever(checkpoint, self.config) if checkpoint else None
+        return MemoryIndexer(self.config, selection, ret, self.forward.freq_compressed,
+                             self.forward.hadamard)
+
+    def _generate_cpu(self, ids, state, max_tokens, temperature, top_p, rng, ctx,
+                      prefill_chunk, stop_at_eos, on_token, on_prefill) -> GenerationResult:
         t0 = time.perf_counter()
         for i in range(0, len(ids), prefill_chunk):
             logits = self.forward.forward(ids[i:i + prefill_chunk], state, all_logits=False)

@@ -76,6 +76,7 @@ class Forward:
             cfg.rope_dim, cfg.compress_rope_base, cfg.yarn_factor, cfg.yarn_orig_ctx,
             cfg.yarn_beta_fast, cfg.yarn_beta_slow)
         self.hadamard = hadamard_matrix(cfg.index_dim).astype(self.dtype)
+        self.memory = None  # a memory.MemoryIndexer: Level-1 selection (FlashMemory), or None
 
     def new_state(self, capacity: int) -> RunState:
         return RunState(self.cfg, capacity, self.dtype)
@@ -93,6 +94,8 @@ class Forward:
         if state.pos + T > state.capacity:
             raise ValueError(f"state holds {state.capacity} tokens; {state.pos}+{T} requested")
         pos = state.pos + np.arange(T)
+        if self.memory is not None:
+            self.memory.begin(state.pos, T)
         e = self._empty(T, cfg.dim)
         ops.embed(e, self.w.token_embd, tokens)
         X = np.repeat(e[:, None, :], cfg.hc_mult, axis=1)  # [T, HC, D]: 4 copies (§4.1)
@@ -102,6 +105,8 @@ class Forward:
             X = self.ffn_block(i, blk, X, tokens, trace)
             _record(trace, f"block{i}.out", X)
         state.pos += T
+        if self.memory is not None:  # a cycle boundary scores here; its set applies next step
+            self.memory.end(state)
         if not all_logits:
             X = X[-1:]
         u = self._empty(X.shape[0], cfg.dim)
@@ -123,6 +128,8 @@ class Forward:
                    cfg.rms_eps, cfg.hc_eps, cfg.hc_iters)
         ops.rmsnorm(u, u, blk.attn_norm, cfg.rms_eps)
         _record(trace, f"block{i}.attn_norm_out", u)
+        if self.memory is not None:  # the retriever's x: this layer's indexer input (§2)
+            self.memory.observe(i, u)
         ratio = cfg.ratio(i)
         cos, sin = rope_tables(self.freq_compressed if ratio else self.freq_window, pos,
                                self.dtype)
@@ -151,7 +158,7 @@ class Forward:
             n_now = (int(pos[-1]) + 1) // ratio  # entries emitted so far
             n_vis = (pos + 1) // ratio  # entries visible to each token
             if cfg.is_csa(i):
-                chosen = self.indexer(blk, st, u, cq, cos, sin, pos, n_now, n_vis)
+                chosen = self.indexer(i, blk, st, u, cq, cos, sin, pos, n_now, n_vis)
                 cmask = np.zeros((T, n_now), bool)
                 rows = np.repeat(np.arange(T), chosen.shape[1])
                 sel = chosen.reshape(-1)
@@ -263,8 +270,9 @@ class Forward:
             x[...] = x @ self.hadamard
 
     # ---- lightning indexer (§4.7) -------------------------------------------------------------
-    def indexer(self, blk: Block, st: LayerState, u, cq, cos, sin, pos, n_now, n_vis):
-        """Top-k compressed entries for each token; returns chosen [T, k] (-1 pads)."""
+    def indexer(self, i: int, blk: Block, st: LayerState, u, cq, cos, sin, pos, n_now, n_vis):
+        """Top-k compressed entries for each token; returns chosen [T, k] (-1 pads). With a
+        Memory Indexer, the top-k is taken inside its resident set (two-level selection)."""
         cfg, ops = self.cfg, self.ops
         T, HI, DI = u.shape[0], cfg.index_heads, cfg.index_dim
         a, g = self._compressor_inputs(blk.indexer_compressor_kv, blk.indexer_compressor_gate,
@@ -282,6 +290,8 @@ class Forward:
         ops.indexer_scores(scores, qi, wts, st.index_keys[:n_now])
         chosen = np.empty((T, min(cfg.index_topk, max(n_now, 1))), np.int64)
         ops.topk_visible(chosen, scores, n_vis)
+        if self.memory is not None:
+            chosen = self.memory.select(i, scores, n_vis, chosen)
         return chosen
 
     # ---- MoE sublayer (§4.11) ------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_make_model_then_run(tmp_path):
 def test_help_lists_commands():
     res = CliRunner().invoke(main, ["--help"])
     assert res.exit_code == 0
-    for cmd in ("run", "inspect", "make-model"):
+    for cmd in ("run", "inspect", "make-model", "make-retriever", "bench"):
         assert cmd in res.stdout
 
 

@@ -1,0 +1,209 @@
+"""The Memory Indexer in a generation: cadence, commit, two-level selection, statistics
+(flashmemory.md §1, §6, §7), on the NumPy forward.
+
+The forward calls four hooks (``model.Forward.memory``):
+
+    begin(pos0, T)                  a forward call starts: is it decode step s = pos0 - n_prompt?
+    observe(layer, u)               a target layer's attention input (x of the scorer), when due
+    select(layer, scores, n_vis, chosen)   a CSA layer's native top-k, restricted / replaced
+    end(state)                      the step is done: score + select at a boundary, commit
+
+Cadence (§6): decode steps s = 0, 1, ... are the single-token calls after the prompt (the prompt
+itself, however it is chunked, runs fully resident). At s ≡ 0 (mod interval) the retriever
+scores every chunk with this step's x; the set is committed for the steps AFTER s (the n → n+1
+commit: the x of step s exists only mid-step, and consecutive windows overlap by 63/64).
+Step 0 runs fully resident. Chunks formed after a boundary are resident until the next one (the
+engine's decode region; the 128-token window covers them too).
+
+Level 2 (§7): in every CSA layer the native indexer's top-k is taken over resident chunks only.
+``global-topk`` (the seed's mode) instead replaces the native choice with the ensemble's global
+top-``index_topk`` in every CSA layer, rescored every step.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .. import ops
+from ..config import ModelConfig
+from ..errors import InputError
+from ..numerics import rope_tables
+from .checkpoint import Retriever, RetrieverGeometry, csa_layers
+from .scorer import retriever_logits_keys_ref, retriever_query_ref
+from .selection import (NEEDS_RETRIEVER, SelectionConfig, edge_chunks, ensemble_keep,
+                        random_chunks, select_chunks, select_pages)
+
+CHUNK_TOKENS = 4  # one CSA entry = 4 tokens
+
+
+class MemoryIndexer:
+    """Level-1 selection for one sequence at a time; ``start`` before each generation."""
+
+    def __init__(self, cfg: ModelConfig, sel: SelectionConfig, retriever: Retriever | None,
+                 freq_compressed: np.ndarray, hadamard: np.ndarray):
+        sel.check()
+        if sel.mode in NEEDS_RETRIEVER and retriever is None:
+            raise InputError(f"--selection {sel.mode}: needs --memory-indexer CKPT (a "
+                             "checkpoint from make-retriever or the official safetensors)")
+        self.cfg, self.sel, self.retriever = cfg, sel, retriever
+        self.freq, self.hadamard = freq_compressed, hadamard.astype(np.float32)
+        g = retriever.geometry if retriever else RetrieverGeometry.for_model(cfg)
+        self.page = sel.page_size or g.page_size
+        self.tail = g.recency_tail if sel.recency_tail is None else sel.recency_tail
+        self.kmax_default = g.kmax if sel.kmax is None else sel.kmax
+        self.max_position = g.max_position
+        self.interval = 1 if sel.mode == "global-topk" else sel.interval
+        self.targets = ({r.layer: r for r in retriever.layers}
+                        if retriever is not None and sel.mode in NEEDS_RETRIEVER else {})
+        self.csa = set(csa_layers(cfg))
+        self.on_cycle = None  # called with each cycle's stats dict (``run --stats``)
+        self.start(0, cfg.ctx_train)
+
+    # ---- per generation ---------------------------------------------------------------------
+    def start(self, n_prompt: int, ctx: int) -> None:
+        """Reset for a sequence of ``n_prompt`` prompt tokens in a context of ``ctx``."""
+        self.n_prompt = n_prompt
+        ctx_pages = -(-(ctx // CHUNK_TOKENS) // self.page)
+        self.kmax = (math.ceil(self.sel.kmax_ratio * ctx_pages) if self.sel.kmax_ratio > 0
+                     else self.kmax_default)
+        self.active: np.ndarray | None = None  # resident[n_commit]; None = everything
+        self.active_ids: np.ndarray | None = None  # global-topk: the chosen chunk ids
+        self.n_commit = 0
+        self.step: int | None = None
+        self._x: dict[int, np.ndarray] = {}
+        self.rng = np.random.default_rng(self.sel.seed)
+        self.cycles: list[dict] = []
+        self.fractions: list[float] = []
+        self.recall_hits = self.recall_total = 0
+
+    def _due(self) -> bool:
+        return self.step is not None and self.step % self.interval == 0
+
+    # ---- forward hooks ----------------------------------------------------------------------
+    def begin(self, pos0: int, T: int) -> None:
+        self.step = pos0 - self.n_prompt if T == 1 and pos0 >= self.n_prompt else None
+        self._x.clear()
+
+    def observe(self, layer: int, u: np.ndarray) -> None:
+        if layer in self.targets and self._due():
+            self._x[layer] = np.array(u[-1], np.float32)
+
+    def resident(self, n_now: int) -> np.ndarray | None:
+        """resident[n_now] in force at this step (chunks past the commit count as resident),
+        or None when everything is."""
+        if self.step is None or self.sel.mode == "full":
+            return None
+        if self.active_ids is not None:
+            r = np.zeros(n_now, bool)
+            r[self.active_ids[self.active_ids < n_now]] = True
+            return r
+        if self.active is None:
+            return None
+        r = np.ones(n_now, bool)
+        r[:min(n_now, self.n_commit)] = self.active[:n_now]
+        return r
+
+    def select(self, layer: int, scores, n_vis, chosen) -> np.ndarray:
+        """Level 2: the native top-k ``chosen`` [T, k] restricted to the resident set (or, in
+        global-topk mode, replaced by it). -1 pads; the attention treats the set as a mask."""
+        res = self.resident(scores.shape[1])
+        if res is None:
+            return chosen
+        if self.active_ids is not None:
+            out = np.full_like(chosen, -1)
+            ids = self.active_ids[self.active_ids < int(n_vis[0])][:chosen.shape[1]]
+            out[0, :len(ids)] = ids
+        else:
+            out = np.empty_like(chosen)
+            ops.topk_visible(out, np.where(res[None, :], scores, -np.inf), n_vis)
+            out[(out >= 0) & ~res[np.maximum(out, 0)]] = -1
+        if self.sel.recall_diagnostic:
+            native = chosen[chosen >= 0]
+            self.recall_hits += int(res[native].sum())
+            self.recall_total += len(native)
+        return out
+
+    def end(self, state) -> None:
+        if self.step is None:
+            return
+        n = state.pos // CHUNK_TOKENS  # chunks formed so far (visible to the next step)
+        if n:
+            res = self.resident(n)
+            self.fractions.append(1.0 if res is None else float(res.mean()))
+        if self._due() and self.sel.mode != "full":
+            self._cycle(state, n, state.pos - 1)
+
+    # ---- one cycle --------------------------------------------------------------------------
+    def _cycle(self, state, n: int, pos: int) -> None:
+        t0 = time.perf_counter()
+        sel, stats = self.sel, {"step": self.step, "position": pos, "chunks": n}
+        if sel.mode == "recency":
+            resident, _ = edge_chunks(n, self.tail, 0)
+        elif sel.mode == "random":
+            resident = random_chunks(n, self.tail, sel.random_ratio, self.rng)
+        else:
+            z = self.layer_logits(state, n, pos)
+            if sel.mode == "global-topk":
+                keep, e = ensemble_keep(z, sel.ensemble, sel.threshold, self.cfg.index_topk)
+                self.active_ids = np.flatnonzero(keep)
+                self.n_commit = n
+                stats.update(resident=len(self.active_ids), ms=_ms(t0))
+                return self._record(stats)
+            keep, e = ensemble_keep(z, sel.ensemble, sel.threshold, sel.topk)
+            stats.update(kept=int(keep.sum()), score_mean=float(e.mean()) if n else 0.0,
+                         score_max=float(e.max()) if n else 0.0)
+            if self.kmax > 0:
+                resident, pages = select_pages(keep, self.page, self.kmax, self.tail, sel.sink)
+                stats["pages"] = len(pages)
+            else:
+                resident = select_chunks(keep, self.tail, sel.sink)
+        self.active, self.n_commit = resident, n
+        stats.update(resident=int(resident.sum()), ms=_ms(t0))
+        self._record(stats)
+
+    def _record(self, stats: dict) -> None:
+        self.cycles.append(stats)
+        if self.on_cycle is not None:
+            self.on_cycle(stats)
+
+    def layer_logits(self, state, n: int, pos: int) -> np.ndarray:
+        """z[L, n]: each target layer's logits over its own first n indexer keys."""
+        p = min(max(pos, 0), self.max_position - 1)  # the position clamp (§3.4)
+        cos, sin = rope_tables(self.freq, np.array([p]), np.float32)
+        DI = self.cfg.index_dim
+        z = np.empty((len(self.targets), n), np.float32)
+        for row, (layer, r) in enumerate(sorted(self.targets.items())):
+            q, w = np.empty((r.heads, DI), np.float32), np.empty(r.heads, np.float32)
+            retriever_query_ref(q, w, self._x[layer], r, cos, sin, self.hadamard)
+            retriever_logits_keys_ref(z[row], q, w, state.layers[layer].index_keys[:n])
+        return z
+
+    # ---- reporting --------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """``resident_fraction``: mean share of compressed entries resident over decode steps."""
+        out = {"selection": self.sel.mode,
+               "resident_fraction": round(float(np.mean(self.fractions)), 6)
+               if self.fractions else 1.0,
+               "memory_cycles": self.cycles}
+        if self.sel.recall_diagnostic:
+            out["native_topk_recall"] = (round(self.recall_hits / self.recall_total, 6)
+                                         if self.recall_total else 1.0)
+        return out
+
+
+def format_cycle(c: dict) -> str:
+    """One ``--stats`` line per cycle."""
+    parts = [f"step={c['step']}", f"chunks={c['chunks']}", f"resident={c['resident']}"]
+    if c["chunks"]:
+        parts.append(f"({100.0 * c['resident'] / c['chunks']:.1f}%)")
+    for k in ("kept", "pages", "score_mean", "score_max"):
+        if k in c:
+            parts.append(f"{k}={c[k]:.4f}" if isinstance(c[k], float) else f"{k}={c[k]}")
+    parts.append(f"ms={c['ms']:.2f}")
+    return "memory_cycle " + " ".join(parts)
+
+
+def _ms(t0: float) -> float:
+    return round(1e3 * (time.perf_counter() - t0), 3)
