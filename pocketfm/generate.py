@@ -185,19 +185,20 @@ class Model:
         if len(ids) > ctx:
             raise InputError(f"prompt: {len(ids)} tokens is longer than --ctx {ctx}")
         rng = np.random.default_rng(seed)
-        if memory is not None and self.device == "cuda":
-            raise InputError("--memory-indexer / --selection: the CUDA backend does not run the "
-                             "Memory Indexer yet; use --device cpu")
         if self.device == "cuda":
             eng = self.engine(ctx, progress)
             r = eng.generate(ids, max_tokens, temperature, top_p,
                              draw_uniform(rng, max_tokens) if temperature > 0 else None,
                              self.tokenizer.eos_id if stop_at_eos else None, on_token,
-                             prefill_chunk=prefill_chunk, on_prefill=on_prefill)
+                             prefill_chunk=prefill_chunk, on_prefill=on_prefill,
+                             memory=memory)
             out, stop = r["tokens"], r["stop"]
             text_ids = out[:-1] if stop == "eos" else out
-            return GenerationResult(out, self.tokenizer.decode(text_ids), len(ids),
-                                    r["prefill_s"], r["decode_s"], r["decode_steps"], stop)
+            res = GenerationResult(out, self.tokenizer.decode(text_ids), len(ids),
+                                   r["prefill_s"], r["decode_s"], r["decode_steps"], stop)
+            if memory is not None:
+                res.extra.update(memory.summary())
+            return res
         state = self.new_state(ctx)
         if memory is not None:
             memory.start(len(ids), ctx)

@@ -93,3 +93,29 @@ def test_cli_cuda_equals_cpu_when_sampling():
     gpu = run_json(*args, "--device", "cuda")
     assert gpu["device"] == "cuda" and cpu["device"] == "cpu"
     assert gpu["tokens"] == cpu["tokens"] and len(gpu["tokens"]) == 2
+
+
+def test_engine_with_memory_indexer_matches_numpy(micro_path, tmp_path):
+    """The Memory Indexer on the engine (lookahead, a cycle every step, one resident page of
+    one chunk: eviction from the second chunk on) gives NumPy's tokens and NumPy's cycles: the
+    GPU scorer over the packed keys, the host selection, the set uploaded between replays and
+    the native top-k masked to it inside the step."""
+    from pocketfm.memory import SelectionConfig, make_retriever, save_retriever
+
+    ckpt = str(tmp_path / "micro-ret.safetensors")
+    cpu = load(micro_path, device="cpu")
+    save_retriever(ckpt, make_retriever(cpu.config, cpu.weights, "native", seed=2))
+    sel = SelectionConfig(interval=1, page_size=1, recency_tail=0, kmax=1)
+    gpu = load(micro_path, device="cuda")
+    runs = []
+    for m in (cpu, gpu):
+        runs.append(m.generate(PROMPT, max_tokens=4, stop_at_eos=False,
+                               memory=m.memory_indexer(sel, ckpt)))
+    ref, got = runs
+    assert got.tokens == ref.tokens
+    rc, gc = ref.extra["memory_cycles"], got.extra["memory_cycles"]
+    assert [c["step"] for c in gc] == [0, 1, 2] and len(rc) == 3
+    for a, b in zip(rc, gc):
+        assert (a["chunks"], a["kept"], a["resident"]) == (b["chunks"], b["kept"], b["resident"])
+        assert abs(a["score_mean"] - b["score_mean"]) <= 1e-4
+    assert got.extra["resident_fraction"] == ref.extra["resident_fraction"] < 1.0

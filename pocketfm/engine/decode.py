@@ -111,6 +111,7 @@ class DecodeEngine:
         self._alloc_step_buffers()
         self._graph, self._warm, self._prefill = None, None, None
         self.n_prompt = 0
+        self.mem = None  # engine/memory.py: the Memory Indexer's resident set, when attached
         # The simulator runs each thread as a Python thread: small blocks, thread-per-row GEMVs
         # and the serial forms of the norm / RoPE / HC / Hadamard kernels (their fast forms have
         # their own tests) keep a simulated step in seconds. On a GPU every launcher picks its
@@ -206,6 +207,8 @@ class DecodeEngine:
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
                threads=nt, **sim)
         rmsnorm(u, self.u_in, L.attn_norm, eps, True, s, threads=nt, **sim)
+        if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
+            self.mem.snapshot(i, u, s, nt)
         # the kv entry and the compressor on the side stream, beside the query and the indexer
         s2 = self.side.fork(s) if self.branches else s
         gemv(self.kv, L.kv, u, None, s2, threads=nt)
@@ -270,7 +273,12 @@ class DecodeEngine:
         scores = self.scores[:c.index_keys.shape[0]]
         indexer_scores(scores, self.qi_rot.reshape(HI, DI), self.idx_w.reshape(HI),
                        c.index_keys, n, stream=s, threads=nt)
+        if self.mem is not None:  # top-k inside the Memory Indexer's resident set
+            self.mem.mask_scores(scores, s)
         topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt)
+        if self.mem is not None:
+            self.mem.drop_selected(self.sel, s)
+        sk.sort_selected(self.sel.reshape(1, cfg.index_topk), s)  # a repeatable order
 
     def _ffn(self, i: int, X, X_out) -> None:
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]
@@ -300,11 +308,21 @@ class DecodeEngine:
         self.ids.copy_to_device(ids, stream=s)
         self.n_prompt = n
         self.set_position(0)
+        if self.mem is not None:
+            self.mem.reset(n)
         un = np.zeros(self.uniforms.shape, np.float32)
         if uniforms is not None:
             un[:len(uniforms)] = uniforms[:len(un)]
         self.uniforms.copy_to_device(un, stream=s)
         s.synchronize()
+
+    def attach_memory(self, memory) -> None:
+        """Run with a ``memory.MemoryIndexer`` (None: without); the step is captured anew."""
+        from .memory import EngineMemory
+
+        if (self.mem and self.mem.memory) is not memory:
+            self.mem = EngineMemory(self, memory) if memory is not None else None
+            self._graph = self._warm = None
 
     def set_position(self, pos: int) -> None:
         """The next step consumes position ``pos`` (after a prefill has filled the caches up to
@@ -344,18 +362,20 @@ class DecodeEngine:
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, uniforms=None, eos_id: int | None = None,
                  on_token=None, sync_every: int = 16, graph: bool = True,
-                 prefill_chunk: int | None = None, on_prefill=None) -> dict:
+                 prefill_chunk: int | None = None, on_prefill=None, memory=None) -> dict:
         """Ingest ``prompt`` and generate up to ``max_tokens`` ids (stopping after ``eos_id``).
 
         The prompt but its last token goes through the chunked prefill (``prefill_chunk``
         tokens per chunk, default 512; 0: one decode step per token); the decode step then
         ingests the last one and samples. ``on_prefill(done, total, seconds)`` reports chunks.
         The host looks at the ids every ``sync_every`` steps (streaming them to ``on_token``);
-        steps already launched past an end-of-sequence are discarded. Returns tokens, timings
-        and the stop reason.
+        steps already launched past an end-of-sequence are discarded. ``memory``: a
+        ``memory.MemoryIndexer`` (its cycles run between replays, see engine/memory.py).
+        Returns tokens, timings and the stop reason.
         """
         n = len(prompt)
         steps_total = min(n + max_tokens - 1, self.capacity)
+        self.attach_memory(memory)
         self.start(prompt, uniforms)
         t0 = time.perf_counter()
         if prefill_chunk != 0 and n > 1:
@@ -387,8 +407,12 @@ class DecodeEngine:
                 stop = "ctx"
                 break
             for _ in range(min(sync_every, steps_total - done)):
+                if self.mem is not None:
+                    self.mem.begin(done)
                 self.step(temperature, top_p, graph)
                 done += 1
+                if self.mem is not None:  # a cycle boundary: score, select, commit
+                    self.mem.after_step(done)
         decode_s = time.perf_counter() - t1
         return dict(tokens=out, prefill_s=prefill_s, decode_s=decode_s,
                     decode_steps=done - n, stop=stop)

@@ -246,6 +246,7 @@ class ChunkPrefill:
                                  visible[t0:t1], stream=s, threads=nt)
             topk_chunk(sel[t0:t1], scores, visible[t0:t1], cfg.index_topk, stream=s,
                        threads=nt)
+        sk.sort_selected(sel, s)  # a repeatable order for the attention's sums
         return sel
 
     def _ffn(self, i: int, T: int, tokens, X, X_out) -> None:

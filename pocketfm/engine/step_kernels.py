@@ -60,6 +60,30 @@ def fill_words_ref(words, bits: int) -> None:
     words[...] = np.uint32(bits)
 
 
+def mask_nonresident_ref(scores, resident, n_commit) -> None:
+    """scores[j] = -inf for each committed chunk j < n_commit[0] not resident (resident[j] 0):
+    the native indexer's top-k then picks inside the Memory Indexer's set (two-level)."""
+    n = min(int(n_commit[0]), len(scores))
+    scores[:n][resident[:n] == 0] = -np.inf
+
+
+def drop_nonresident_ref(sel, resident, n_commit) -> None:
+    """sel[i] = -1 where it names a committed chunk that is not resident (a top-k over fewer
+    resident entries than k fills up with masked ones)."""
+    n = int(n_commit[0])
+    for i in range(len(sel)):
+        j = sel[i]
+        if 0 <= j < n and resident[j] == 0:
+            sel[i] = -1
+
+
+def sort_selected_ref(sel) -> None:
+    """sel[T, k] int32 in place: each row ascending, the -1 pads last."""
+    key = np.where(sel < 0, np.iinfo(np.int32).max, sel)
+    key.sort(axis=1)
+    sel[...] = np.where(key == np.iinfo(np.int32).max, -1, key)
+
+
 def swap_leading_ref(out, x) -> None:
     """out[B, A, C] = x[A, B, C] with the two leading axes swapped."""
     out[...] = np.swapaxes(x, 0, 1)
@@ -122,6 +146,58 @@ def _swap_leading(out, x):
         out[b, a, c] = x[a, b, c]
 
 
+@device.kernel
+def _mask_nonresident(scores, resident, n_commit):
+    n = min(n_commit[0], scores.shape[0])
+    for j in range(cuda.grid(1), n, cuda.gridsize(1)):
+        if resident[j] == 0:
+            scores[j] = -np.inf
+
+
+@device.kernel
+def _drop_nonresident(sel, resident, n_commit):
+    i = cuda.grid(1)
+    if i < sel.shape[0]:
+        j = sel[i]
+        if j >= 0 and j < n_commit[0] and resident[j] == 0:
+            sel[i] = -1
+
+
+SORT_MAX = 1024  # entries a row of sort_selected may hold (index_topk is 512 in V4)
+_PAD = 0x7FFFFFFF  # -1 pads sort as the largest key
+
+
+@device.kernel
+def _sort_selected(sel):
+    """A block per row: bitonic sort in shared memory over the next power of two >= k."""
+    k = sel.shape[1]
+    row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    sh = cuda.shared.array(SORT_MAX, int32)
+    P = 1
+    while P < k:
+        P *= 2
+    for i in range(tid, P, nt):
+        v = sel[row, i] if i < k else -1
+        sh[i] = v if v >= 0 else _PAD
+    cuda.syncthreads()
+    size = 2
+    while size <= P:
+        stride = size // 2
+        while stride > 0:
+            for i in range(tid, P, nt):
+                j = i ^ stride
+                if j > i:
+                    a, b = sh[i], sh[j]
+                    if (a > b) == ((i & size) == 0):  # ascending runs where bit `size` is 0
+                        sh[i], sh[j] = b, a
+            cuda.syncthreads()
+            stride //= 2
+        size *= 2
+    for i in range(tid, k, nt):
+        v = sh[i]
+        sel[row, i] = v if v != _PAD else -1
+
+
 # ---- launchers ----------------------------------------------------------------------------------
 def begin_step(meta, ids, token, u, uniforms, ratios, window: int, stream=0) -> None:
     """meta int32 [3 + len(ratios)], ids int32 [cap + 1], token int32 [1], u float32 [1],
@@ -162,6 +238,31 @@ def swap_leading(out, x, stream=0) -> None:
     _swap_leading[min(cdiv(x.size, nt), 4096), nt, stream](out, x)
 
 
+def mask_nonresident(scores, resident, n_commit, stream=0) -> None:
+    """scores float32 [N], resident uint8 [>= N], n_commit int32 [1] (device; a graph replay
+    reads the set committed last)."""
+    nt = 256
+    _mask_nonresident[min(cdiv(scores.shape[0], nt), 1024), nt, stream](scores, resident,
+                                                                       n_commit)
+
+
+def drop_nonresident(sel, resident, n_commit, stream=0) -> None:
+    """sel int32 [k] (a top-k), resident uint8 [N], n_commit int32 [1]."""
+    nt = 128
+    _drop_nonresident[cdiv(sel.shape[0], nt), nt, stream](sel, resident, n_commit)
+
+
+def sort_selected(sel, stream=0) -> None:
+    """sel int32 [T, k] (k <= 1024): every row in ascending order, pads last. The top-k kernels
+    write their picks in atomic-counter order, which varies from run to run; attention sums
+    the picks in list order, so sorting them makes a run repeat bit for bit."""
+    T, k = sel.shape
+    if k > SORT_MAX:
+        raise ValueError(f"sort_selected: rows of {k} > {SORT_MAX}")
+    nt = 32 if device.SIMULATOR else min(512, max(32, k // 2))
+    _sort_selected[T, nt, stream](sel)
+
+
 PTX_SIGNATURES = [
     (_begin_step, "void(int32[::1], int32[::1], int32[::1], float32[::1], float32[::1], "
                   "int32[::1], int32)"),
@@ -170,4 +271,7 @@ PTX_SIGNATURES = [
     (_scale, "void(float32[:, ::1], float32)"),
     (_swap_leading, "void(float32[:, :, ::1], float32[:, :, ::1])"),
     (_fill_words, "void(uint32[:, ::1], uint32)"),
+    (_mask_nonresident, "void(float32[::1], uint8[::1], int32[::1])"),
+    (_drop_nonresident, "void(int32[::1], uint8[::1], int32[::1])"),
+    (_sort_selected, "void(int32[:, ::1])"),
 ]

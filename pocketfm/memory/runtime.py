@@ -126,17 +126,25 @@ class MemoryIndexer:
         return out
 
     def end(self, state) -> None:
+        self.step_done(state.pos, lambda n, pos: self.layer_logits(state, n, pos))
+
+    def step_done(self, n_tokens: int, logits_fn) -> bool:
+        """After a step that leaves ``n_tokens`` in the context: count the resident share and,
+        at a boundary, run a cycle with ``logits_fn(n, pos) -> z[L, n]`` (the NumPy scorer
+        here, the GPU scorer in the engine). Returns whether a new set was committed."""
         if self.step is None:
-            return
-        n = state.pos // CHUNK_TOKENS  # chunks formed so far (visible to the next step)
+            return False
+        n = n_tokens // CHUNK_TOKENS  # chunks formed so far (visible to the next step)
         if n:
             res = self.resident(n)
             self.fractions.append(1.0 if res is None else float(res.mean()))
         if self._due() and self.sel.mode != "full":
-            self._cycle(state, n, state.pos - 1)
+            self._cycle(n, n_tokens - 1, logits_fn)
+            return True
+        return False
 
     # ---- one cycle --------------------------------------------------------------------------
-    def _cycle(self, state, n: int, pos: int) -> None:
+    def _cycle(self, n: int, pos: int, logits_fn) -> None:
         t0 = time.perf_counter()
         sel, stats = self.sel, {"step": self.step, "position": pos, "chunks": n}
         if sel.mode == "recency":
@@ -144,7 +152,7 @@ class MemoryIndexer:
         elif sel.mode == "random":
             resident = random_chunks(n, self.tail, sel.random_ratio, self.rng)
         else:
-            z = self.layer_logits(state, n, pos)
+            z = logits_fn(n, pos)
             if sel.mode == "global-topk":
                 keep, e = ensemble_keep(z, sel.ensemble, sel.threshold, self.cfg.index_topk)
                 self.active_ids = np.flatnonzero(keep)

@@ -80,3 +80,41 @@ def test_fill_words_resets_packed_and_float_caches():
     ref = np.ones((2, 3), np.uint32)
     sk.fill_words_ref(ref, 7)
     assert np.all(ref == 7)
+
+
+def test_resident_mask_and_drop():
+    """Level 2 inside Level 1: committed non-resident chunks get -inf scores and leave the top-k;
+    chunks past the commit (formed since) stay selectable."""
+    rng = fresh_rng()
+    N, n_commit = 50, np.array([37], np.int32)
+    scores = rng.standard_normal(N).astype(np.float32)
+    resident = (rng.random(N) < 0.4).astype(np.uint8)
+    d = cuda.to_device(scores)
+    sk.mask_nonresident(d, cuda.to_device(resident), cuda.to_device(n_commit))
+    sk.mask_nonresident_ref(scores, resident, n_commit)
+    got = d.copy_to_host()
+    assert np.array_equal(got, scores)
+    assert np.isneginf(got[:37][resident[:37] == 0]).all() and np.isfinite(got[37:]).all()
+    sel = rng.integers(-1, N, 16).astype(np.int32)
+    ds = cuda.to_device(sel)
+    sk.drop_nonresident(ds, cuda.to_device(resident), cuda.to_device(n_commit))
+    sk.drop_nonresident_ref(sel, resident, n_commit)
+    assert np.array_equal(ds.copy_to_host(), sel)
+    kept = sel[sel >= 0]
+    assert np.all((kept >= 37) | (resident[np.minimum(kept, N - 1)] == 1))
+
+
+def test_sort_selected_rows():
+    """Top-k picks in a repeatable order: ascending, -1 pads last (k not a power of two too)."""
+    rng = fresh_rng()
+    for T, k in ((3, 37), (2, 64), (1, 1)):
+        sel = np.stack([rng.permutation(200)[:k] for _ in range(T)]).astype(np.int32)
+        sel[rng.random((T, k)) < 0.3] = -1
+        d = cuda.to_device(sel)
+        sk.sort_selected(d)
+        sk.sort_selected_ref(sel)
+        got = d.copy_to_host()
+        assert np.array_equal(got, sel)
+        for row in got:
+            valid = row[row >= 0]
+            assert np.all(np.diff(valid) > 0) and np.all(row[len(valid):] == -1)
