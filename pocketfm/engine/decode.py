@@ -189,6 +189,8 @@ class DecodeEngine:
         for i in range(cfg.n_layers):
             self._attention(i, self.X[X], self.X[1 - X])
             self._ffn(i, self.X[1 - X], self.X[X])
+        if self.mem is not None:  # global-topk: the next step's set, scored on the device
+            self.mem.end_of_step(s, nt)
         hc_head(self.head_u, self.X[X], *w.output_hc, cfg.rms_eps, cfg.hc_eps, s, threads=nt, **sim)
         rmsnorm(self.head_norm, self.head_u, w.output_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         gemv(self.logits, w.output, self.head_norm, None, s, threads=nt)
@@ -276,9 +278,9 @@ class DecodeEngine:
         if self.mem is not None:  # top-k inside the Memory Indexer's resident set
             self.mem.mask_scores(scores, s)
         topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt)
-        if self.mem is not None:
-            self.mem.drop_selected(self.sel, s)
         sk.sort_selected(self.sel.reshape(1, cfg.index_topk), s)  # a repeatable order
+        if self.mem is not None:  # (after the sort: the global set comes sorted already)
+            self.mem.drop_selected(self.sel, s)
 
     def _ffn(self, i: int, X, X_out) -> None:
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]

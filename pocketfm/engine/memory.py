@@ -11,6 +11,11 @@ Between two replays, at a cycle boundary (every ``interval`` decode steps, memor
 the host launches the retriever scorer over each target layer's packed keys, reads the logits
 back (the one host sync of a cycle, not of a step), selects in NumPy (memory/selection.py, the
 same code as the CPU path) and uploads the new set for the next replay (the n -> n+1 commit).
+
+``global-topk`` (the seed's mode) rescores every step, so it runs inside the graph instead: at
+the end of each step the scorer (position and chunk count read on the device), the ensemble and
+a top-``index_topk`` fill ``gsel``; from the next decode step on (``g_active``, set once the
+prompt is consumed) every CSA layer's top-k is replaced by it. No host sync at all.
 """
 from __future__ import annotations
 
@@ -26,9 +31,6 @@ class EngineMemory:
     """Device side of one ``memory.MemoryIndexer`` attached to a ``DecodeEngine``."""
 
     def __init__(self, eng, memory):
-        if memory.sel.mode == "global-topk":
-            raise InputError("--selection global-topk: runs on the CPU path only for now (it "
-                             "rescores every step); use --device cpu or --selection lookahead")
         if memory.sel.recall_diagnostic:
             raise InputError("--recall-diagnostic: runs on the CPU path only (it needs the "
                              "native full-history top-k beside the restricted one)")
@@ -44,8 +46,17 @@ class EngineMemory:
 
             self.xs = cuda.to_device(np.zeros((len(self.rows), cfg.dim), np.float32), stream=s)
             self.z = cuda.device_array((len(self.rows), self.n4), np.float32, stream=s)
-            self.scorer = RetrieverScorer(memory.retriever, memory.freq, stream=s)
+            self.scorer = RetrieverScorer(memory.retriever, memory.freq, self.n4, stream=s)
             self._score(1, 0)  # compile the scorer now, not inside the first decode cycle
+        self.global_mode = memory.sel.mode == "global-topk"
+        if self.global_mode:
+            from ..kernels.indexer import topk_workspace
+
+            k = cfg.index_topk
+            self.gsel = cuda.to_device(np.full((1, k), -1, np.int32), stream=s)  # [1, k]
+            self.g_active = cuda.to_device(np.zeros(1, np.int32), stream=s)
+            self.e = cuda.device_array(self.n4, np.float32, stream=s)
+            self.topk_work = topk_workspace(s)
 
     # ---- inside the captured step ---------------------------------------------------------------
     def snapshot(self, layer: int, u, stream, threads=None) -> None:
@@ -59,12 +70,35 @@ class EngineMemory:
 
     def drop_selected(self, sel, stream) -> None:
         sk.drop_nonresident(sel, self.resident, self.n_commit, stream)
+        if self.global_mode:  # the seed's mode: the global set replaces the native choice
+            sk.copy_if_flag(sel, self.gsel.reshape(sel.shape[0]), self.g_active, stream)
+
+    def end_of_step(self, stream, threads=None) -> None:
+        """global-topk: score this step's x over every visible chunk, ensemble, top-k: the set
+        of the next step (n -> n+1), active once the prompt is consumed."""
+        if not self.global_mode:
+            return
+        from ..kernels.indexer import topk
+        from ..kernels.retriever import ENSEMBLE_MAX, ENSEMBLE_MEAN, ensemble
+
+        eng, k = self.eng, self.eng.cfg.index_topk
+        n = eng.n_comp[4]  # chunks visible after this step's token
+        keys = [eng.caches[layer].index_keys for layer in sorted(self.rows)]
+        self.scorer.score_in_graph(self.z, self.xs, eng.pos, n, keys, stream)
+        how = ENSEMBLE_MEAN if self.memory.sel.ensemble == "mean" else ENSEMBLE_MAX
+        ensemble(self.e, self.z, n, how, stream)
+        topk(self.gsel.reshape(k), self.e, n, k, stream=stream, threads=threads,
+             work=self.topk_work)
+        sk.sort_selected(self.gsel, stream)
+        sk.flag_after_prompt(self.g_active, eng.meta, stream)
 
     # ---- between replays ----------------------------------------------------------------------
     def reset(self, n_prompt: int) -> None:
         """A new sequence: everything resident until the first boundary."""
         self.memory.start(n_prompt, self.eng.capacity)
         self._upload(None, 0)
+        if self.global_mode:
+            self.g_active.copy_to_device(np.zeros(1, np.int32), stream=self.eng.stream)
 
     def begin(self, pos: int) -> None:
         self.memory.begin(pos, 1)
@@ -72,7 +106,9 @@ class EngineMemory:
     def after_step(self, n_tokens: int) -> None:
         """The step that leaves ``n_tokens`` in the context has been launched: at a boundary,
         score, select and commit the set for the next replay."""
-        if self.memory.step_done(n_tokens, self._logits):
+        if self.global_mode:  # selected inside the step: the host only counts
+            self.memory.step_done(n_tokens, None)
+        elif self.memory.step_done(n_tokens, self._logits):
             m = self.memory
             self._upload(m.active, m.n_commit)
 

@@ -77,6 +77,17 @@ def drop_nonresident_ref(sel, resident, n_commit) -> None:
             sel[i] = -1
 
 
+def copy_if_flag_ref(dst, src, flag) -> None:
+    """dst[k] = src[k] when flag[0] != 0 (int32 arrays)."""
+    if flag[0]:
+        dst[...] = src
+
+
+def flag_after_prompt_ref(flag, meta) -> None:
+    """flag[0] = 1 once this step's token is past the prompt (pos >= n_prompt), else 0."""
+    flag[0] = int(meta[META_POS] >= meta[META_PROMPT])
+
+
 def sort_selected_ref(sel) -> None:
     """sel[T, k] int32 in place: each row ascending, the -1 pads last."""
     key = np.where(sel < 0, np.iinfo(np.int32).max, sel)
@@ -161,6 +172,19 @@ def _drop_nonresident(sel, resident, n_commit):
         j = sel[i]
         if j >= 0 and j < n_commit[0] and resident[j] == 0:
             sel[i] = -1
+
+
+@device.kernel
+def _copy_if_flag(dst, src, flag):
+    i = cuda.grid(1)
+    if i < dst.shape[0] and flag[0] != 0:
+        dst[i] = src[i]
+
+
+@device.kernel
+def _flag_after_prompt(flag, meta):
+    if cuda.grid(1) == 0:
+        flag[0] = 1 if meta[0] >= meta[1] else 0
 
 
 SORT_MAX = 1024  # entries a row of sort_selected may hold (index_topk is 512 in V4)
@@ -252,6 +276,17 @@ def drop_nonresident(sel, resident, n_commit, stream=0) -> None:
     _drop_nonresident[cdiv(sel.shape[0], nt), nt, stream](sel, resident, n_commit)
 
 
+def copy_if_flag(dst, src, flag, stream=0) -> None:
+    """dst int32 [k] <- src [k] when the device flag int32[1] is set (a captured graph's
+    choice between the native and the global top-k)."""
+    nt = 128
+    _copy_if_flag[cdiv(dst.shape[0], nt), nt, stream](dst, src, flag)
+
+
+def flag_after_prompt(flag, meta, stream=0) -> None:
+    _flag_after_prompt[1, 32, stream](flag, meta)
+
+
 def sort_selected(sel, stream=0) -> None:
     """sel int32 [T, k] (k <= 1024): every row in ascending order, pads last. The top-k kernels
     write their picks in atomic-counter order, which varies from run to run; attention sums
@@ -274,4 +309,6 @@ PTX_SIGNATURES = [
     (_mask_nonresident, "void(float32[::1], uint8[::1], int32[::1])"),
     (_drop_nonresident, "void(int32[::1], uint8[::1], int32[::1])"),
     (_sort_selected, "void(int32[:, ::1])"),
+    (_copy_if_flag, "void(int32[::1], int32[::1], int32[::1])"),
+    (_flag_after_prompt, "void(int32[::1], int32[::1])"),
 ]

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, float64, int32
 
 from .. import ops
 from ..memory.scorer import RMS_EPS, retriever_logits_keys_ref, round_bf16
@@ -267,16 +267,95 @@ class RetrieverScorer:
         self.cos.copy_to_device(self.host_cos, stream=stream)
         self.sin.copy_to_device(self.host_sin, stream=stream)
         self.n_visible.copy_to_device(self.host_n, stream=stream)
+        self._score_layers(z_out, xs, keys, self.n_visible, stream)
+
+    def score_in_graph(self, z_out, xs, pos, n_visible, keys, stream=0) -> None:
+        """As ``score``, with the position pos int32[1] and the chunk count n_visible int32[1]
+        read on the device (the cos/sin tables built there): capturable in the decode graph,
+        for the per-step global-topk mode. The head-group workspace must exist already
+        (``capacity`` given, or one ``score`` before capture)."""
+        if self.heads > HEAD_GROUP and (self.work is None or self.work.shape[2] != z_out.shape[1]):
+            raise ValueError("RetrieverScorer.score_in_graph: no workspace for "
+                             f"{z_out.shape[1]} chunks (give capacity= at construction)")
+        if not hasattr(self, "freq_dev"):
+            self.freq_dev = device.to_device(self.freq, stream)
+        rope_table(self.cos, self.sin, pos, self.freq_dev, self.max_position, stream)
+        self._score_layers(z_out, xs, keys, n_visible, stream)
+
+    def _score_layers(self, z_out, xs, keys, n_visible, stream) -> None:
         for i, layer in enumerate(self.layers):  # one q/w pair reused: launches are in order
             retriever_query(self.q, self.w, xs[i], layer, self.cos, self.sin, None,
                             self.bf16_rope, stream, self.threads, self.naive)
-            retriever_logits(z_out[i], self.q, self.w, keys[i], self.n_visible, stream,
+            retriever_logits(z_out[i], self.q, self.w, keys[i], n_visible, stream,
                              self.threads, self.work)
+
+
+# ---- device-side cos/sin and the ensemble (per-step global top-k) ---------------------------------
+def rope_table_ref(cos, sin, pos, freq, max_position: int) -> None:
+    """cos/sin [1, P] f32 <- the angles pos[0]·freq (float64), pos clamped to [0, max_pos - 1]."""
+    p = min(max(int(pos[0]), 0), max_position - 1)
+    cos[...], sin[...] = rope_tables(np.asarray(freq, np.float64), [p], np.float32)
+
+
+@device.kernel
+def _rope_table(cos, sin, pos, freq, max_position):
+    k = cuda.grid(1)
+    if k < freq.shape[0]:
+        p = min(max(pos[0], 0), max_position - 1)
+        ang = float64(p) * freq[k]  # float64, as rope_tables: positions reach 1M
+        cos[0, k] = math.cos(ang)
+        sin[0, k] = math.sin(ang)
+
+
+def rope_table(cos, sin, pos, freq, max_position: int, stream=0) -> None:
+    """cos/sin [1, P] f32 device <- pos int32[1] device, freq [P] float64 device."""
+    P = freq.shape[0]
+    _rope_table[cdiv(P, 64), 64, stream](cos, sin, pos, freq, int32(max_position))
+
+
+ENSEMBLE_MAX, ENSEMBLE_MEAN = 0, 1
+
+
+def ensemble_ref(e, z, n_visible, how: int) -> None:
+    """e[N] f32 <- the ensemble ranking key over z[L, N] logits for j < n_visible[0], -inf
+    beyond: max_l z (``max`` / ``or``: σ is monotone, so it orders as max σ) or mean_l σ(z)."""
+    n = min(int(n_visible[0]), len(e))
+    e[...] = -np.inf
+    zz = z[:, :n].astype(np.float64)
+    e[:n] = zz.max(axis=0) if how == ENSEMBLE_MAX else (0.5 * (1 + np.tanh(0.5 * zz))).mean(0)
+
+
+@device.kernel
+def _ensemble(e, z, n_visible, how):
+    L, N = z.shape[0], e.shape[0]
+    n = min(n_visible[0], N)
+    for j in range(cuda.grid(1), N, cuda.gridsize(1)):
+        if j >= n:
+            e[j] = -math.inf
+            continue
+        acc = -math.inf if how == ENSEMBLE_MAX else 0.0
+        for l in range(L):
+            v = z[l, j]
+            if how == ENSEMBLE_MAX:
+                acc = max(acc, v)
+            else:
+                acc += 0.5 * (1.0 + math.tanh(0.5 * v))
+        e[j] = acc if how == ENSEMBLE_MAX else acc / L
+
+
+def ensemble(e, z, n_visible, how: int, stream=0) -> None:
+    """e[N] f32 <- z[L, Ncap] f32 (Ncap >= N), n_visible int32[1]: ensemble_ref on the GPU."""
+    nt = 256
+    _ensemble[min(cdiv(e.shape[0], nt), 4096), nt, stream](e, z, n_visible, int32(how))
 
 
 # ---- CI lane B and the benchmark -----------------------------------------------------------------
 _F3, _F2 = "float32[:, :, ::1]", "float32[:, ::1]"
-PTX_SIGNATURES = [(_rope_bf16_pairs, f"void({_F3}, {_F3}, {_F2}, {_F2}, boolean)")]
+PTX_SIGNATURES = [
+    (_rope_bf16_pairs, f"void({_F3}, {_F3}, {_F2}, {_F2}, boolean)"),
+    (_rope_table, f"void({_F2}, {_F2}, int32[::1], float64[::1], int32)"),
+    (_ensemble, f"void(float32[::1], {_F2}, int32[::1], int32)"),
+]
 
 
 def bench_cases(stream, D=4096, H=128, DI=128, rank=2048, R=64, N=262_144, L=3):

@@ -70,6 +70,7 @@ class MemoryIndexer:
                      else self.kmax_default)
         self.active: np.ndarray | None = None  # resident[n_commit]; None = everything
         self.active_ids: np.ndarray | None = None  # global-topk: the chosen chunk ids
+        self.device_count: int | None = None  # global-topk selected on the GPU: the set's size
         self.n_commit = 0
         self.step: int | None = None
         self._x: dict[int, np.ndarray] = {}
@@ -131,13 +132,17 @@ class MemoryIndexer:
     def step_done(self, n_tokens: int, logits_fn) -> bool:
         """After a step that leaves ``n_tokens`` in the context: count the resident share and,
         at a boundary, run a cycle with ``logits_fn(n, pos) -> z[L, n]`` (the NumPy scorer
-        here, the GPU scorer in the engine). Returns whether a new set was committed."""
+        here, the GPU scorer in the engine; None: global-topk selected on the device inside
+        the step, only counted here). Returns whether a new set was committed."""
         if self.step is None:
             return False
         n = n_tokens // CHUNK_TOKENS  # chunks formed so far (visible to the next step)
         if n:
-            res = self.resident(n)
-            self.fractions.append(1.0 if res is None else float(res.mean()))
+            if self.device_count is not None:
+                self.fractions.append(min(self.device_count, n) / n)
+            else:
+                res = self.resident(n)
+                self.fractions.append(1.0 if res is None else float(res.mean()))
         if self._due() and self.sel.mode != "full":
             self._cycle(n, n_tokens - 1, logits_fn)
             return True
@@ -151,6 +156,10 @@ class MemoryIndexer:
             resident, _ = edge_chunks(n, self.tail, 0)
         elif sel.mode == "random":
             resident = random_chunks(n, self.tail, sel.random_ratio, self.rng)
+        elif sel.mode == "global-topk" and logits_fn is None:  # chosen inside the GPU step
+            self.device_count, self.n_commit = min(self.cfg.index_topk, n), n
+            stats["resident"] = self.device_count
+            return self._record(stats)
         else:
             z = logits_fn(n, pos)
             if sel.mode == "global-topk":
@@ -209,7 +218,8 @@ def format_cycle(c: dict) -> str:
     for k in ("kept", "pages", "score_mean", "score_max"):
         if k in c:
             parts.append(f"{k}={c[k]:.4f}" if isinstance(c[k], float) else f"{k}={c[k]}")
-    parts.append(f"ms={c['ms']:.2f}")
+    if "ms" in c:  # (global-topk on the GPU selects inside the step: no host time)
+        parts.append(f"ms={c['ms']:.2f}")
     return "memory_cycle " + " ".join(parts)
 
 

@@ -135,8 +135,14 @@ def test_retriever_scorer_score():
     scorer = rt.RetrieverScorer(Retriever(hosts, geo), freq, bf16_rope=False, threads=THREADS,
                                 naive=SIMULATOR)  # serial norm / Hadamard: fast to simulate
     z = poisoned((L, N))
-    scorer.score(z, cuda.to_device(xs), 5000, [cuda.to_device(p) for p, _ in packed], n)
+    keys = [cuda.to_device(p) for p, _ in packed]
+    scorer.score(z, cuda.to_device(xs), 5000, keys, n)
     got = z.copy_to_host()
+    # the graph form: position and count read on the device give the very same logits
+    z2 = poisoned((L, N))
+    scorer.score_in_graph(z2, cuda.to_device(xs), cuda.to_device(np.array([5000], np.int32)),
+                          cuda.to_device(np.array([n], np.int32)), keys)
+    assert np.array_equal(z2.copy_to_host(), got)
     cos, sin = rope_tables(freq, [geo.max_position - 1], np.float32)
     for i, host in enumerate(hosts):
         q, w, ref = np.empty((H, DI), np.float32), np.empty(H, np.float32), np.empty(n)
@@ -155,3 +161,29 @@ def test_bench_cases_construct_and_run():
         c.launch()
     assert cases[1].check() <= 1e-4
     cases[2].launch()
+
+
+def test_rope_table_from_device_position():
+    freq = rope_frequencies(64, 160000.0, 16.0, 65536)
+    for pos in (0, 12345, 10 ** 7):  # the last one clamped
+        cos, sin = poisoned((1, 32)), poisoned((1, 32))
+        rt.rope_table(cos, sin, cuda.to_device(np.array([pos], np.int32)), cuda.to_device(freq),
+                      1 << 20)
+        rc, rs = np.empty((1, 32), np.float32), np.empty((1, 32), np.float32)
+        rt.rope_table_ref(rc, rs, [pos], freq, 1 << 20)
+        np.testing.assert_allclose(cos.copy_to_host(), rc, atol=2e-7)
+        np.testing.assert_allclose(sin.copy_to_host(), rs, atol=2e-7)
+
+
+@pytest.mark.parametrize("how", [rt.ENSEMBLE_MAX, rt.ENSEMBLE_MEAN])
+def test_ensemble(how):
+    rng = fresh_rng()
+    L, N, n = 3, 70, 61
+    z = (rng.standard_normal((L, N + 5)) * 4).astype(np.float32)
+    e = poisoned(N)
+    rt.ensemble(e, cuda.to_device(z), cuda.to_device(np.array([n], np.int32)), how)
+    ref = np.empty(N, np.float32)
+    rt.ensemble_ref(ref, z, [n], how)
+    got = e.copy_to_host()
+    np.testing.assert_allclose(got[:n], ref[:n], rtol=1e-6)
+    assert np.all(np.isneginf(got[n:]))

@@ -118,3 +118,22 @@ def test_sort_selected_rows():
         for row in got:
             valid = row[row >= 0]
             assert np.all(np.diff(valid) > 0) and np.all(row[len(valid):] == -1)
+
+
+def test_global_set_replaces_the_native_choice_after_the_prompt():
+    meta = np.zeros(sk.META_RATIOS + 1, np.int32)
+    meta[sk.META_PROMPT] = 9
+    flag = cuda.to_device(np.zeros(1, np.int32))
+    native, glob = np.arange(6, dtype=np.int32), np.array([7, 3, -1, 8, 1, 0], np.int32)
+    for pos, want in ((8, 0), (9, 1), (12, 1)):  # the prompt's last token, then decode steps
+        meta[sk.META_POS] = pos
+        sk.flag_after_prompt(flag, cuda.to_device(meta))
+        ref = np.zeros(1, np.int32)
+        sk.flag_after_prompt_ref(ref, meta)
+        assert flag.copy_to_host()[0] == ref[0] == want
+        d = cuda.to_device(native)
+        sk.copy_if_flag(d, cuda.to_device(glob), flag)
+        r = native.copy()
+        sk.copy_if_flag_ref(r, glob, ref)
+        assert np.array_equal(d.copy_to_host(), r)
+        assert np.array_equal(r, glob if want else native)
