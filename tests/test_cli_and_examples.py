@@ -81,7 +81,7 @@ def test_top_p_sampling():
 
 def test_examples_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    for script in ("api_quickstart.py", "walk_one_layer.py"):
+    for script in ("api_quickstart.py", "walk_one_layer.py", "memory_indexer.py"):
         p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script)],
                            capture_output=True, text=True, timeout=300, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
