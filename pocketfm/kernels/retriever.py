@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32
 
 from .. import ops
-from ..memory.scorer import RMS_EPS, retriever_logits_keys_ref, round_bf16
+from ..memory.scorer import RMS_EPS, retriever_logits_keys_ref, round_bf16, sigmoid
 from ..memory.scorer import retriever_query_ref  # noqa: F401  (the spec of retriever_query)
 from ..numerics import rope_tables
 from . import device, kvpack
@@ -250,6 +250,7 @@ class RetrieverScorer:
         self.cos = device.device_empty((1, P), np.float32, stream)
         self.sin = device.device_empty((1, P), np.float32, stream)
         self.n_visible = device.device_empty(1, np.int32, stream)
+        self.freq_dev = device.to_device(self.freq, stream)  # score_in_graph's device tables
 
     def score(self, z_out, xs, pos: int, keys, n: int, stream=0) -> None:
         """z_out[L, Ncap] f32 (device) <- each layer's logits over its keys; xs [L, D] f32 the
@@ -277,8 +278,6 @@ class RetrieverScorer:
         if self.heads > HEAD_GROUP and (self.work is None or self.work.shape[2] != z_out.shape[1]):
             raise ValueError("RetrieverScorer.score_in_graph: no workspace for "
                              f"{z_out.shape[1]} chunks (give capacity= at construction)")
-        if not hasattr(self, "freq_dev"):
-            self.freq_dev = device.to_device(self.freq, stream)
         rope_table(self.cos, self.sin, pos, self.freq_dev, self.max_position, stream)
         self._score_layers(z_out, xs, keys, n_visible, stream)
 
@@ -322,7 +321,7 @@ def ensemble_ref(e, z, n_visible, how: int) -> None:
     n = min(int(n_visible[0]), len(e))
     e[...] = -np.inf
     zz = z[:, :n].astype(np.float64)
-    e[:n] = zz.max(axis=0) if how == ENSEMBLE_MAX else (0.5 * (1 + np.tanh(0.5 * zz))).mean(0)
+    e[:n] = zz.max(axis=0) if how == ENSEMBLE_MAX else sigmoid(zz).mean(axis=0)
 
 
 @device.kernel

@@ -70,7 +70,8 @@ class MemoryIndexer:
                      else self.kmax_default)
         self.active: np.ndarray | None = None  # resident[n_commit]; None = everything
         self.active_ids: np.ndarray | None = None  # global-topk: the chosen chunk ids
-        self.device_count: int | None = None  # global-topk selected on the GPU: the set's size
+        self.n_resident = 0  # chunks of the committed set (O(1) per-step accounting)
+        self.has_set = False  # a set has been committed (before: everything resident)
         self.n_commit = 0
         self.step: int | None = None
         self._x: dict[int, np.ndarray] = {}
@@ -137,12 +138,10 @@ class MemoryIndexer:
         if self.step is None:
             return False
         n = n_tokens // CHUNK_TOKENS  # chunks formed so far (visible to the next step)
-        if n:
-            if self.device_count is not None:
-                self.fractions.append(min(self.device_count, n) / n)
-            else:
-                res = self.resident(n)
-                self.fractions.append(1.0 if res is None else float(res.mean()))
+        if n:  # the share in force at this step, counted without building the mask
+            full = not self.has_set
+            new = 0 if self.sel.mode == "global-topk" else n - self.n_commit
+            self.fractions.append(1.0 if full else (self.n_resident + new) / n)
         if self._due() and self.sel.mode != "full":
             self._cycle(n, n_tokens - 1, logits_fn)
             return True
@@ -157,15 +156,15 @@ class MemoryIndexer:
         elif sel.mode == "random":
             resident = random_chunks(n, self.tail, sel.random_ratio, self.rng)
         elif sel.mode == "global-topk" and logits_fn is None:  # chosen inside the GPU step
-            self.device_count, self.n_commit = min(self.cfg.index_topk, n), n
-            stats["resident"] = self.device_count
+            self.n_resident, self.n_commit = min(self.cfg.index_topk, n), n
+            stats["resident"] = self.n_resident
             return self._record(stats)
         else:
             z = logits_fn(n, pos)
             if sel.mode == "global-topk":
                 keep, e = ensemble_keep(z, sel.ensemble, sel.threshold, self.cfg.index_topk)
                 self.active_ids = np.flatnonzero(keep)
-                self.n_commit = n
+                self.n_commit, self.n_resident = n, len(self.active_ids)
                 stats.update(resident=len(self.active_ids), ms=_ms(t0))
                 return self._record(stats)
             keep, e = ensemble_keep(z, sel.ensemble, sel.threshold, sel.topk)
@@ -176,11 +175,12 @@ class MemoryIndexer:
                 stats["pages"] = len(pages)
             else:
                 resident = select_chunks(keep, self.tail, sel.sink)
-        self.active, self.n_commit = resident, n
-        stats.update(resident=int(resident.sum()), ms=_ms(t0))
+        self.active, self.n_commit, self.n_resident = resident, n, int(resident.sum())
+        stats.update(resident=self.n_resident, ms=_ms(t0))
         self._record(stats)
 
     def _record(self, stats: dict) -> None:
+        self.has_set = True
         self.cycles.append(stats)
         if self.on_cycle is not None:
             self.on_cycle(stats)

@@ -11,6 +11,7 @@ Every defect of a file is one InputError line naming the file (and tensor) and w
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -81,8 +82,6 @@ def _tensor(path, name, info, data) -> np.ndarray:
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str],
                       dtype: str = "F32") -> None:
     """Write float tensors as ``dtype`` (F32, F16 or BF16) in name order, atomically."""
-    import os
-
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype}: expected one of {', '.join(DTYPES)}")
     header, blobs, offset = {"__metadata__": dict(metadata)}, [], 0
