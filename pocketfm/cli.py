@@ -13,6 +13,7 @@ from collections import Counter
 import click
 
 from .errors import InputError
+from .plan import plan_command
 
 EMBEDDED_PRESET, EMBEDDED_QUANT, EMBEDDED_SEED = "tiny", "ds4-q2", 0
 MEMORY_MODES = ("lookahead", "global-topk", "full", "recency", "random")  # memory/selection.py
@@ -82,6 +83,7 @@ def main():
       pocketfm make-retriever -o ret.safetensors   # a Memory Indexer checkpoint
       pocketfm run --memory-indexer ret.safetensors --prompt-file long.txt --stats
       pocketfm bench --preset flash --ctx 262144   # GPU decode speed, no file needed
+      pocketfm plan --preset flash --ctx 1048576 --kv-swap   # GPU / pinned memory, no GPU
     """
 
 
@@ -120,8 +122,8 @@ def main():
                    "tail + pages, native top-k inside; global-topk = the seed's per-step "
                    "ensemble top-k replacing the native choice; full / recency / random = "
                    "baselines.")
-@click.option("--ensemble", type=click.Choice(["max", "mean", "or"]), default="max",
-              show_default=True, help="How the retriever layers' scores combine.")
+@click.option("--ensemble", type=click.Choice(["max", "mean", "or"]), default=None,
+              help="How the retriever layers' scores combine [default: max].")
 @click.option("--threshold", type=float, default=0.5, show_default=True,
               help="Keep chunks whose ensemble score is strictly above this.")
 @click.option("--keep-topk", type=click.IntRange(min=0), default=0, show_default=True,
@@ -141,20 +143,48 @@ def main():
 @click.option("--random-ratio", type=float, default=0.10, show_default=True,
               help="--selection random: share of older chunks resampled each cycle.")
 @click.option("--stats", is_flag=True, help="Print one line per retriever cycle on stderr.")
+@click.option("--kv-swap", is_flag=True, default=None,
+              help="Keep the CSA layers' compressed KV in a pinned host pool and only the "
+                   "selected chunks in GPU staging slots (needs --device cuda and a selection; "
+                   "env POCKETLLM_GGUF_KV_SWAP).")
+@click.option("--gpu-chunks", type=click.IntRange(min=1), default=None,
+              help="GPU staging slots, shared by all CSA layers [default: the selection's set "
+                   "plus a decode region, at least index_topk].")
+@click.option("--pinned-mib", type=click.IntRange(min=1), default=None,
+              help="Cap on the pinned host pool, MiB [default: 16384].")
+@click.option("--kv-swap-validate", "kv_swap_validate", is_flag=True, default=None,
+              help="After each swap-in, compare every staged slot byte for byte with the pool.")
+@click.option("--kv-swap-sync", "kv_swap_sync", is_flag=True, default=None,
+              help="Wait for each cycle's copies before the next step (debugging).")
+@click.option("--kv-swap-test-allow-topk-reduction", "allow_topk_reduction", is_flag=True,
+              default=None, help="Allow --gpu-chunks below index_topk (lowers the native "
+                                 "top-k to the slot count; small-context tests only).")
 @click.option("--recall-diagnostic", is_flag=True,
               help="Also measure how much of the native full-history top-k lies in the "
                    "resident set (native_topk_recall in --json).")
 def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top_p, seed,
         device, no_qat, prefill_chunk, as_json, retriever_path, selection, ensemble, threshold,
         keep_topk, interval, kmax, kmax_ratio, recency_tail, sink, random_ratio, stats,
+        kv_swap, gpu_chunks, pinned_mib, kv_swap_validate, kv_swap_sync, allow_topk_reduction,
         recall_diagnostic):
     """Generate text: stream it, then print prompt/generated counts and tok/s.
 
     With --memory-indexer (or a --selection baseline) the FlashMemory Memory Indexer decides
     which compressed entries the native indexer may pick from; --json then adds
-    resident_fraction and the per-cycle stats (memory_cycles).
+    resident_fraction and the per-cycle stats (memory_cycles). With --kv-swap the compressed
+    KV lives in pinned host memory and the selected chunks are swapped into GPU slots; the
+    gguf_kv_swap lines go to stderr and --json adds kv_swap (hits, misses, stores, ...).
+    The seed's POCKETLLM_GGUF_* variables are read too (flags win).
     """
     from .generate import load
+    from .kvswap.config import swap_config
+
+    swap_cfg, mem_env = swap_config(dict(
+        kv_swap=kv_swap, gpu_chunks=gpu_chunks, pinned_mib=pinned_mib,
+        validate=kv_swap_validate, sync=kv_swap_sync, allow_topk_reduction=allow_topk_reduction))
+    retriever_path = retriever_path or mem_env.checkpoint
+    selection = selection or mem_env.selection
+    ensemble = ensemble or mem_env.ensemble or "max"
 
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file: give one, not both")
@@ -200,7 +230,8 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
     res = model.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          seed=seed, ctx=ctx, chat=chat, prefill_chunk=prefill_chunk,
                          on_token=emit, progress=progress, on_prefill=prefilled,
-                         memory=memory)
+                         memory=memory, kv_swap=swap_cfg,
+                         log=lambda line: click.echo(line, err=True))
     click.echo(stream.flush())  # any held-back partial UTF-8, then the newline
     if as_json:
         res.extra.update(device=model.device, model=model.path, text=res.text)
@@ -279,8 +310,19 @@ def inspect(path, all_keys):
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per prefill chunk.")
+@click.option("--kv-swap", is_flag=True,
+              help="Decode with the CSA KV in a pinned host pool and a lookahead-shaped set "
+                   "(KMAX pages incl. the recency tail) staged in GPU slots, recommitted every "
+                   "--interval steps with --churn of its older pages new.")
+@click.option("--gpu-chunks", type=click.IntRange(min=1), default=None,
+              help="Staging slots with --kv-swap [default: KMAX pages x page + decode region].")
+@click.option("--interval", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Decode steps per retrieval cycle (--kv-swap).")
+@click.option("--churn", type=click.FloatRange(0.0, 1.0), default=0.1, show_default=True,
+              help="Share of the set's older pages replaced per cycle (--kv-swap).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk, as_json):
+def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk, kv_swap,
+          gpu_chunks, interval, churn, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -302,7 +344,22 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk
     def progress(done, total, name):
         click.echo(f"\rbuilding weights on the GPU: {done}/{total} ({name})" + " " * 8,
                    nl=done == total, err=True)
-    r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk)
+    slots = 0
+    if kv_swap:
+        from .kvswap.config import decode_region
+        from .memory import RetrieverGeometry
+
+        g = RetrieverGeometry.for_model(cfg)
+        slots = gpu_chunks or g.kmax * g.page_size + decode_region(interval)
+        if ctx // 4 <= slots:
+            raise InputError(f"--kv-swap: --ctx {ctx} has {ctx // 4} chunks, not more than the "
+                             f"{slots} staging slots: nothing to swap")
+        if profile:
+            raise InputError("--profile: not with --kv-swap (profile the step without it)")
+    elif gpu_chunks is not None:
+        raise InputError("--gpu-chunks: only meaningful with --kv-swap")
+    r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk,
+                  slots, interval, churn)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, **r)))
         return
@@ -313,6 +370,16 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk
     click.echo(f"{preset_name} at ctx {r['ctx']:,}: decode {r['decode_tok_s']:.1f} tok/s "
                f"({r['step_ms']:.2f} ms/step), {r['bytes_per_token']['total'] / 1e9:.2f} GB "
                f"read/token, {r['achieved_gbs']:.0f} GB/s")
+    if kv_swap:
+        st = r["kv_swap"]
+        click.echo(f"kv swap: {st['gpu_chunks']} slots x {st['layers']} CSA layers, pinned pool "
+                   f"{r['swap_pinned_bytes'] / 2**30:.2f} GiB; first commit "
+                   f"{r['swap_first_commit_ms']:.1f} ms, swap-in {r['swap_in_gbs']:.1f} GB/s "
+                   f"({r['swap_in_rows']} chunks in {r['swap_in_ms']:.2f} ms); step graph "
+                   f"{r['swap_step_ms']:.2f} ms; cycles every {interval} steps (churn {churn})")
+        from .engine.kvswap import stats_line
+
+        click.echo(stats_line(st))
     other = gb["workspace_and_other"]
     click.echo(f"GPU memory: weights {gb['weights'] / 2**30:.2f} GiB, KV caches "
                f"{gb['kv_caches'] / 2**30:.2f} GiB, workspace+other "
@@ -327,6 +394,9 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk
         click.echo(f"one prefill chunk, each launch synchronised ({pp['chunk_ms']:.1f} ms):")
         for name, ms in pp["by_launcher"].items():
             click.echo(f"  {name:<28} {ms:8.2f} ms")
+
+
+main.add_command(plan_command, "plan")
 
 
 @main.command("make-model")

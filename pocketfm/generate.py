@@ -124,14 +124,22 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(self.file.meta)
         self.forward = Forward(self.config, self.weights, qat=qat, dtype=dtype)
         self._engine = None
+        self._engine_swap = None
 
-    def engine(self, capacity: int, progress=None):
-        """The CUDA decode engine (weights uploaded on first use) for ``capacity`` tokens."""
+    def engine(self, capacity: int, progress=None, swap=None):
+        """The CUDA decode engine (weights uploaded on first use) for ``capacity`` tokens;
+        ``swap`` a kvswap.config.SwapPlanConfig (KV swap on when ``swap.enabled``)."""
         from .engine.decode import DecodeEngine
+        from .kvswap.config import with_topk
 
-        if self._engine is None or self._engine.capacity < capacity:
+        want = swap if swap is not None and swap.enabled else None
+        if (self._engine is None or self._engine.capacity < capacity
+                or self._engine_swap != want):
             self._engine = None  # free the old caches first
-            self._engine = DecodeEngine(self.config, self.weights, capacity, progress=progress)
+            cfg = with_topk(self.config, want) if want is not None else self.config
+            self._engine = DecodeEngine(cfg, self.weights, capacity, progress=progress,
+                                        swap=want)
+            self._engine_swap = want
         return self._engine
 
     def new_state(self, capacity: int) -> RunState:
@@ -168,7 +176,7 @@ class Model:
                  top_p: float = 1.0, seed: int = 0, ctx: int | None = None, chat: bool = False,
                  prefill_chunk: int = 512, stop_at_eos: bool = True,
                  on_token=None, progress=None, on_prefill=None,
-                 memory=None) -> GenerationResult:
+                 memory=None, kv_swap=None, log=None) -> GenerationResult:
         """Prefill ``prompt`` in chunks, then decode up to ``max_tokens`` tokens.
 
         ``ctx`` is the run's context capacity (prompt + generated); by default the prompt plus
@@ -176,7 +184,9 @@ class Model:
         ``progress(done, total, what)`` reports the GPU weight upload (device cuda);
         ``on_prefill(done, total, seconds)`` reports prompt tokens ingested, per chunk.
         ``memory``: a ``MemoryIndexer`` (see ``memory_indexer``) selecting the resident
-        compressed entries; its statistics join the result's summary.
+        compressed entries; its statistics join the result's summary. ``kv_swap``: a
+        kvswap.config.SwapConfig (device cuda; the selection decides what is staged), its
+        ``gguf_kv_swap`` lines go to ``log(line)`` and its counters to the summary's kv_swap.
         """
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
@@ -185,8 +195,9 @@ class Model:
         if len(ids) > ctx:
             raise InputError(f"prompt: {len(ids)} tokens is longer than --ctx {ctx}")
         rng = np.random.default_rng(seed)
+        swap = self._plan_swap(kv_swap, ctx, memory, log)
         if self.device == "cuda":
-            eng = self.engine(ctx, progress)
+            eng = self.engine(ctx, progress, swap)
             r = eng.generate(ids, max_tokens, temperature, top_p,
                              draw_uniform(rng, max_tokens) if temperature > 0 else None,
                              self.tokenizer.eos_id if stop_at_eos else None, on_token,
@@ -198,6 +209,12 @@ class Model:
                                    r["prefill_s"], r["decode_s"], r["decode_steps"], stop)
             if memory is not None:
                 res.extra.update(memory.summary())
+            if "kv_swap" in r:
+                res.extra["kv_swap"] = r["kv_swap"]
+                if log is not None and kv_swap.mem_profile:
+                    from .engine.kvswap import stats_line
+
+                    log(stats_line(r["kv_swap"]))
             return res
         state = self.new_state(ctx)
         if memory is not None:
@@ -211,6 +228,27 @@ class Model:
         if memory is not None:
             res.extra.update(memory.summary())
         return res
+
+    def _plan_swap(self, kv_swap, ctx: int, memory, log):
+        """The checked KV-swap plan of a run (None: not requested), logged the seed's way."""
+        if kv_swap is None or not kv_swap.kv_swap:
+            return None
+        from .kvswap.config import plan_swap, swap_line
+        from .engine.kvswap import MIB, pinned_pool_bytes
+
+        if self.device != "cuda":
+            raise InputError("--kv-swap: stages the selected chunks in GPU memory; it needs "
+                             "--device cuda")
+        plan = plan_swap(kv_swap, self.config, ctx, memory)
+        need = pinned_pool_bytes(self.config, ctx, plan.key_layers)
+        if plan.enabled and need > kv_swap.pinned_mib * MIB:  # before any allocation
+            raise InputError(f"KV swap pinned cache exceeds cap: required_mib={need / MIB:.1f} "
+                             f"cap_mib={kv_swap.pinned_mib} (raise --pinned-mib or lower --ctx)")
+        if log is not None and kv_swap.mem_profile:
+            pinned = pinned_pool_bytes(self.config, ctx, plan.key_layers) / MIB \
+                if plan.enabled else 0.0
+            log(swap_line(kv_swap, plan, pinned))
+        return plan
 
     def memory_indexer(self, selection, checkpoint: str | None = None):
         """A ``MemoryIndexer`` for this model: ``selection`` a ``memory.SelectionConfig``,

@@ -81,6 +81,18 @@ def tiny_q2_path(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def micro_path(tmp_path_factory):
+    """tiny shrunk so a few simulated engine steps show every cache path: window 4 (the ring
+    wraps), CSA ratio 4 with top-1 selection, HCA ratio 8 (tests/test_engine.py, test_kvswap.py)."""
+    from pocketfm.presets import tiny
+    from pocketfm.synthetic import write_model
+
+    path = str(tmp_path_factory.mktemp("engine") / "micro.gguf")
+    write_model(tiny().replace(window=4, index_topk=1), path, quant="f32", seed=5)
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Keep the embedded model out of the user's real cache during tests (built once per run)."""

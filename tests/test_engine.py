@@ -15,18 +15,9 @@ from pocketfm.cli import main
 from pocketfm.generate import load
 from pocketfm.kernels.device import SIMULATOR
 from pocketfm.model import Forward
-from pocketfm.presets import tiny
-from pocketfm.synthetic import write_model
 
 PROMPT = [1, 72, 305, 17, 409, 88, 3, 250, 111]  # 9 tokens: 2 CSA entries, 1 HCA entry
 GENERATED = 2
-
-
-@pytest.fixture(scope="module")
-def micro_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("engine") / "micro.gguf")
-    write_model(tiny().replace(window=4, index_topk=1), path, quant="f32", seed=5)
-    return path
 
 
 def test_decode_engine_matches_numpy_forward(micro_path):

@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..kernels import device
 from ..kernels.attention import random_packed_kv
 from ..kernels.indexer import random_packed_keys
+from ..kernels.kvpack import index_key_bytes
 from . import step_kernels as sk
 from .decode import DecodeEngine
 from .synthetic_weights import POOL_ROWS, SyntheticSource, tile_rows
@@ -34,7 +35,8 @@ def fill_caches(eng: DecodeEngine, ctx: int, seed: int = 0) -> None:
                               .view(np.uint32), stream=s)
     for i, c in enumerate(eng.caches):
         c.reset(s)
-        for a, pool in ((c.window, kv_pool), (c.comp, kv_pool), (c.index_keys, key_pool)):
+        comp = eng.comp_of(i)  # (KV swap: the layer's rows of the host pool)
+        for a, pool in ((c.window, kv_pool), (comp, kv_pool), (eng.keys_of(i), key_pool)):
             if a is not None:
                 tile_rows(a.view(np.uint32), pool, 31 * i + a.shape[0], s)
     meta = np.zeros(eng.meta.shape, np.int32)
@@ -66,7 +68,7 @@ def bytes_per_token(eng: DecodeEngine, ctx: int) -> dict:
         kv += cfg.window * B
         if cfg.is_csa(i):
             n = ctx // c.ratio
-            kv += n * c.index_keys.shape[1] + min(n, cfg.index_topk) * B
+            kv += n * index_key_bytes(cfg.index_dim) + min(n, cfg.index_topk) * B
         elif c.ratio:
             kv += (ctx // c.ratio) * B
     return dict(weights=weights, routed_experts=experts, kv_and_index=kv,
@@ -198,20 +200,134 @@ def _weight_names(eng) -> dict:
     return names
 
 
+def lookahead_like_set(n: int, page: int, kmax: int, tail: int, rng, keep=None,
+                       churn: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(resident[n] bool, older pages): the shape of a lookahead set (flashmemory.md §5.1) —
+    the recency tail's pages plus random older pages, ``kmax`` pages in all. With ``keep``
+    (the older pages of the previous cycle) all but a ``churn`` share of them stay: the next
+    window's set, as consecutive cycles overlap."""
+    n_pages = -(-n // page)
+    tail_pages = np.arange(max(0, n - tail) // page, n_pages)
+    older = np.setdiff1d(np.arange(n_pages), tail_pages)
+    want = max(0, min(kmax - len(tail_pages), len(older)))
+    if keep is None:
+        pages = rng.choice(older, want, replace=False)
+    else:
+        stay = rng.choice(keep, int(round(len(keep) * (1 - churn))), replace=False)
+        fresh = rng.choice(np.setdiff1d(older, keep), want - len(stay), replace=False)
+        pages = np.concatenate([stay, fresh])
+    res = np.zeros(n_pages, bool)
+    res[tail_pages] = True
+    res[pages] = True
+    return np.repeat(res, page)[:n], np.sort(pages)
+
+
+def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn: float,
+                  seed: int = 0) -> dict:
+    """Decode with the KV swapped, after a ``fill_caches``: a lookahead-shaped set (flash's
+    geometry: KMAX 96 pages of 64 chunks, the 2048-chunk tail) committed every ``interval``
+    steps, ``churn`` of its older pages new each cycle. Times the first commit (every chunk a
+    miss), the gather kernel alone (swap-in GB/s), the step graph, and the whole loop with its
+    cycles (the tok/s a run would see)."""
+    from ..kernels.kvgather import gather_to_slots
+    from ..memory import MemoryIndexer, RetrieverGeometry, SelectionConfig
+    from ..model import Forward
+
+    cfg, s, sw = eng.cfg, eng.stream, eng.swap
+    g = RetrieverGeometry.for_model(cfg)
+    fw = Forward(cfg, None)
+    mem = MemoryIndexer(cfg, SelectionConfig(mode="recency", interval=interval), None,
+                        fw.freq_compressed, fw.hadamard)
+    eng.attach_memory(mem)
+    eng.mem.reset(ctx)
+    rng = np.random.default_rng(seed + 7)
+    n = ctx // 4
+    active, pages = lookahead_like_set(n, g.page_size, g.kmax, g.recency_tail, rng)
+    s.synchronize()
+    t0 = time.perf_counter()
+    eng.mem._upload(active, n)
+    s.synchronize()
+    first_commit_ms = (time.perf_counter() - t0) * 1e3
+    chunks, slots = sw.table.staged()
+    d_chunks, d_slots = cuda.to_device(chunks, stream=s), cuda.to_device(slots, stream=s)
+    gather_ms = _timed(lambda: gather_to_slots(sw.staging, sw.pool_dev, d_chunks, d_slots, s), s)
+    moved = len(chunks) * len(sw.layers) * sw.B
+    steps = 0  # decode steps run since the fill: the context is ctx + steps tokens
+
+    def commit():
+        nonlocal pages
+        n = min((ctx + steps) // 4, sw.N)  # chunks formed so far
+        active, pages = lookahead_like_set(n, g.page_size, g.kmax, g.recency_tail, rng,
+                                           keep=pages, churn=churn)
+        c0 = time.perf_counter()
+        eng.mem._upload(active, n)
+        return (time.perf_counter() - c0) * 1e3, int(active.sum())
+
+    eng.step()  # eager: the staged step's kernels compile
+    s.synchronize()
+    eng.step()  # captured, replayed once
+    k = max(1, interval - 2)  # the rest of the first window: the graph alone, by events
+    step_ms = _timed(lambda: [eng.step() for _ in range(k)], s) / k
+    steps = 2 + k
+    cycle_ms, done = [], 0
+    s.synchronize()
+    t0 = time.perf_counter()
+    while done < tokens:  # windows of ``interval`` replays, each after a commit (host time)
+        ms, resident = commit()
+        cycle_ms.append(ms)
+        for _ in range(min(interval, tokens - done)):
+            eng.step()
+        steps += min(interval, tokens - done)
+        done += min(interval, tokens - done)
+    s.synchronize()
+    loop_s = time.perf_counter() - t0
+    st = sw.stats()
+    return dict(kv_swap=st, swap_first_commit_ms=first_commit_ms,
+                swap_in_gbs=moved / gather_ms / 1e6, swap_in_rows=int(len(chunks)),
+                swap_in_ms=gather_ms, swap_step_ms=step_ms, swap_cycle_host_ms=cycle_ms,
+                swap_decode_tok_s=tokens / loop_s, swap_interval=interval, swap_churn=churn,
+                swap_resident_chunks=resident, swap_pinned_bytes=sw.pinned_bytes)
+
+
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
               progress=None, profile: bool = False, prefill: int = 0,
-              prefill_chunk: int = 512) -> dict:
+              prefill_chunk: int = 512, kv_swap: int = 0, interval: int = 64,
+              churn: float = 0.1) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
-    more tokens in chunks (timed), then time ``tokens`` decode steps."""
+    more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
+    the KV swapped through K staging slots (``bench_kv_swap``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
+    swap = None
+    if kv_swap:
+        from ..kvswap.config import SwapPlanConfig, decode_region
+        from ..memory.checkpoint import csa_layers, default_clids
+
+        csa = csa_layers(cfg)  # a lookahead run's target layers keep their keys on the GPU
+        targets = {csa[c] for c in default_clids(cfg)}
+        swap = SwapPlanConfig(True, kv_swap, cfg.index_topk, decode_region(interval),
+                              cap_mib=1 << 30,
+                              key_layers=tuple(i for i in csa if i not in targets))
     eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream),
-                       ctx + prefill + tokens + 3, stream=stream, progress=progress)
+                       ctx + prefill + tokens + 3 + (interval if kv_swap else 0),
+                       stream=stream, progress=progress, swap=swap)
     build_s = time.perf_counter() - t0
     fill_caches(eng, ctx, seed)
     pre = time_prefill(eng, ctx, prefill, prefill_chunk, seed) if prefill else {}
     ctx += prefill
+    if kv_swap:
+        r = bench_kv_swap(eng, ctx, tokens, interval, churn, seed)
+        free1, _ = cuda.current_context().get_memory_info()
+        used = None if device.SIMULATOR else int(free0 - free1)
+        nb = bytes_per_token(eng, ctx)
+        return dict(**r, **pre, preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
+                    decode_tok_s=r["swap_decode_tok_s"], step_ms=r["swap_step_ms"],
+                    bytes_per_token=nb, achieved_gbs=nb["total"] / r["swap_step_ms"] / 1e6,
+                    gpu_bytes=dict(weights=eng.w.nbytes, kv_caches=eng.cache_bytes,
+                                   workspace_and_other=used and used - eng.w.nbytes
+                                   - eng.cache_bytes, total=used),
+                    build_s=build_s)
     t0 = time.perf_counter()
     eng.step()  # eager: compiles every kernel, allocates the lazy scratch
     eng.stream.synchronize()

@@ -40,39 +40,33 @@ from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import gemv, simulator_prefers_rows
 from ..kernels.hc import hc_head, hc_post, hc_pre
 from ..kernels.indexer import indexer_scores, topk
-from ..kernels.kvpack import index_key_bytes, kv_entry_bytes
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rope
 from ..kernels.qat import hadamard_fp4, kv_pack
 from . import step_kernels as sk
 from ..weights import Weights
 from .device_weights import DeviceWeights, GGUFSource, index_weight_scale
+from .layout import compressor_widths, layer_specs, step_buffer_specs, total_bytes
 
 
 NEG_INF_BITS = int(np.array(-np.inf, np.float32).view(np.uint32))  # 0xFF800000
 
 
 class LayerCache:
-    """One layer's device-resident cache: window ring, compressed entries, compressor state."""
+    """One layer's device-resident cache: window ring, compressed entries, compressor state.
 
-    def __init__(self, cfg: ModelConfig, i: int, capacity: int, stream):
-        K, R = cfg.head_dim, cfg.rope_dim
-        kvb = kv_entry_bytes(K, R)
-        self.window = cuda.device_array((cfg.window, kvb), np.uint8, stream=stream)
-        self.ratio = r = cfg.ratio(i)
-        self.comp = self.state_kv = self.state_score = None
+    The arrays and their shapes are engine/layout.py's ``layer_specs`` (what ``pocketfm plan``
+    adds up); those the layer type lacks stay None. ``gpu_chunks`` (KV swap): a CSA layer has
+    no ``comp`` here, its entries live in the engine's staging and host pool (kvswap.py)."""
+
+    def __init__(self, cfg: ModelConfig, i: int, capacity: int, stream,
+                 gpu_chunks: int | None = None, swap_keys: bool = False):
+        self.ratio = cfg.ratio(i)
+        self.window = self.comp = self.state_kv = self.state_score = None
         self.index_keys = self.index_kv = self.index_score = None
-        if r:
-            rows, width = (2 * r if cfg.is_csa(i) else r), cfg.coff(i) * K
-            self.comp = cuda.device_array((max(1, capacity // r), kvb), np.uint8, stream=stream)
-            self.state_kv = cuda.device_array((rows, width), np.float32, stream=stream)
-            self.state_score = cuda.device_array((rows, width), np.float32, stream=stream)
-        if cfg.is_csa(i):
-            DI = cfg.index_dim
-            self.index_keys = cuda.device_array((max(1, capacity // r), index_key_bytes(DI)),
-                                                np.uint8, stream=stream)
-            self.index_kv = cuda.device_array((2 * r, 2 * DI), np.float32, stream=stream)
-            self.index_score = cuda.device_array((2 * r, 2 * DI), np.float32, stream=stream)
+        for spec in layer_specs(cfg, i, capacity, swap=gpu_chunks is not None,
+                                swap_keys=swap_keys):
+            setattr(self, spec.name, cuda.device_array(spec.shape, spec.dtype, stream=stream))
 
     def reset(self, stream) -> None:
         """A fresh sequence: empty ring and entries, compressor scores -inf (RunState's); filled
@@ -97,7 +91,11 @@ class DecodeEngine:
     ``weights``: a loaded GGUF's ``Weights``, or a device-weight source (synthetic_weights)."""
 
     def __init__(self, cfg: ModelConfig, weights, capacity: int, qat: bool = True,
-                 stream=None, progress=None):
+                 stream=None, progress=None, swap=None):
+        """``swap``: a kvswap.config.SwapPlanConfig with ``enabled`` (KV swap: the CSA layers'
+        compressed KV in a pinned host pool, the selected chunks in GPU staging slots), and
+        ``swap_cap_mib`` / ``validate`` / ``sync`` attributes of its SwapConfig (see
+        engine/kvswap.py); None: every cache on the GPU."""
         if not qat:
             raise InputError("--no-qat: the CUDA backend stores the packed FP8/FP4 caches, which "
                              "need QAT on; run --no-qat with --device cpu")
@@ -106,7 +104,16 @@ class DecodeEngine:
         s = self.stream
         source = GGUFSource(weights, s) if isinstance(weights, Weights) else weights
         self.w = DeviceWeights(cfg, source, progress)
-        self.caches = [LayerCache(cfg, i, capacity, s) for i in range(cfg.n_layers)]
+        slots = swap.gpu_chunks if swap is not None and swap.enabled else None
+        key_layers = set(swap.key_layers) if slots is not None else set()
+        self.caches = [LayerCache(cfg, i, capacity, s, gpu_chunks=slots,
+                                  swap_keys=i in key_layers) for i in range(cfg.n_layers)]
+        self.swap = None  # engine/kvswap.py, when the compressed KV is swapped
+        if slots is not None:
+            from .kvswap import EngineSwap
+
+            self.swap = EngineSwap(self, slots, swap.region, swap.cap_mib, swap.validate,
+                                   swap.sync, swap.key_layers)
         self.ratios = sorted({cfg.ratio(i) for i in range(cfg.n_layers)} - {0})
         self._alloc_step_buffers()
         self._graph, self._warm, self._prefill = None, None, None
@@ -127,54 +134,51 @@ class DecodeEngine:
 
     # ---- buffers -------------------------------------------------------------------------------
     def _alloc_step_buffers(self):
+        """Every step buffer, as layout.step_buffer_specs lists it (the planner's numbers): each
+        becomes the attribute of its name, a pair ``X.0`` / ``X.1`` the tuple ``self.X``.
+        MoEScratch allocates its own; the total is checked against the specs here, once."""
         cfg, s = self.cfg, self.stream
-        D, HC, H, K = cfg.dim, cfg.hc_mult, cfg.n_heads, cfg.head_dim
-        f32 = np.float32
-
-        def buf(*shape, dtype=f32):
-            return cuda.device_array(shape, dtype, stream=s)
-        self.meta = buf(sk.META_RATIOS + max(1, len(self.ratios)), dtype=np.int32)
-        self.ids = buf(self.capacity + 1, dtype=np.int32)
-        self.ratio_arr = cuda.to_device(np.array(self.ratios or [1], np.int32), stream=s)
-        self.uniforms = buf(max(1, self.capacity), dtype=f32)
-        self.token, self.next_token = buf(1, dtype=np.int32), buf(1, dtype=np.int32)
-        self.u = buf(1)
+        specs = step_buffer_specs(cfg, self.capacity)
+        fills = dict(ratio_arr=np.array(self.ratios or [1]), no_sel=-1, no_comp=0, zero_count=0,
+                     ones=1)  # ones: the weightless norm's weight
+        b = device.allocate([sp for sp in specs if not sp.name.startswith("moe.")], s, fills)
+        for name, a in b.items():
+            if "." not in name:
+                setattr(self, name, a)
+        self.X = (b["X.0"], b["X.1"])  # HC streams, ping-pong between sublayers
+        self.comp_in = {w: (b[f"comp_in.{w}.0"], b[f"comp_in.{w}.1"])
+                        for w in compressor_widths(cfg)}
+        self.idx_in = (b["idx_in.0"], b["idx_in.1"])
         self.pos = self.meta[sk.META_POS:sk.META_POS + 1]
         self.n_window = self.meta[sk.META_WINDOW:sk.META_WINDOW + 1]
         self.n_comp = {r: self.meta[sk.META_RATIOS + j:sk.META_RATIOS + j + 1]
                        for j, r in enumerate(self.ratios)}
-        self.e = buf(1, D)
-        self.X = (buf(1, HC, D), buf(1, HC, D))  # HC streams, ping-pong between sublayers
-        self.u_in, self.u_norm = buf(1, D), buf(1, D)
-        self.post, self.comb = buf(1, HC), buf(1, HC, HC)
-        self.cq, self.cq_norm = buf(1, cfg.q_rank), buf(1, cfg.q_rank)
-        self.q = buf(1, H, K)
-        self.kv = buf(1, K)
-        self.kv_row = buf(1, kv_entry_bytes(K, cfg.rope_dim), dtype=np.uint8)
-        widths = {cfg.coff(i) * K for i in range(cfg.n_layers) if cfg.ratio(i)}
-        self.comp_in = {w: (buf(1, w), buf(1, w)) for w in widths}
-        HI, DI = cfg.index_heads, cfg.index_dim
-        self.idx_in = (buf(1, 2 * DI), buf(1, 2 * DI))
-        self.qi, self.qi_rot = buf(1, HI, DI), buf(1, HI, DI)
-        self.idx_w = buf(1, HI)
-        n4 = max(1, self.capacity // 4)
-        self.scores = buf(n4)
-        self.sel = buf(cfg.index_topk, dtype=np.int32)
-        self.no_sel = cuda.to_device(np.full(1, -1, np.int32), stream=s)
-        self.no_comp = cuda.to_device(np.zeros((1, self.kv_row.shape[1]), np.uint8), stream=s)
-        self.zero_count = cuda.to_device(np.zeros(1, np.int32), stream=s)
-        self.ones = cuda.to_device(np.ones(max(K, D), f32), stream=s)  # weightless-norm dummy
-        self.o = buf(1, H, K)
-        G = cfg.o_groups
-        self.y = buf(G, cfg.o_rank)
-        self.f = buf(1, D)
-        self.moe = MoEScratch.allocate(D, cfg.moe_dim, cfg.n_experts, cfg.n_experts_used, s)
-        self.head_u, self.head_norm = buf(1, D), buf(1, D)
-        self.logits = buf(1, cfg.vocab)
+        self.moe = MoEScratch.allocate(cfg.dim, cfg.moe_dim, cfg.n_experts, cfg.n_experts_used, s)
+        self.step_bytes = sum(int(a.nbytes) for a in b.values()) + self.moe.nbytes
+        if self.step_bytes != total_bytes(specs):
+            raise AssertionError(f"step buffers: {self.step_bytes} B allocated, "
+                                 f"layout.step_buffer_specs says {total_bytes(specs)} B")
 
     @property
     def cache_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+        """GPU bytes of every KV cache (with KV swap: the staging, not the host pool)."""
+        return sum(c.nbytes for c in self.caches) + (self.swap.gpu_bytes if self.swap else 0)
+
+    def comp_of(self, i: int):
+        """Layer i's compressed entries as the prefill / a direct step reads and writes them:
+        its GPU array, or with KV swap (CSA layers) its rows of the mapped host pool."""
+        c = self.caches[i]
+        if c.comp is not None or self.swap is None:
+            return c.comp
+        return self.swap.pool_views.get(i)  # None: a window-only layer has no entries
+
+    def keys_of(self, i: int):
+        """Layer i's indexer keys as the prefill / a direct step reads and writes them: its GPU
+        array, or with swapped keys its rows of the mapped host key pool."""
+        c = self.caches[i]
+        if c.index_keys is not None or self.swap is None:
+            return c.index_keys
+        return self.swap.key_pool_views.get(i)
 
     # ---- one step -------------------------------------------------------------------------------
     def launch_step(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
@@ -223,10 +227,13 @@ class DecodeEngine:
             a, g = self.comp_in[c.state_kv.shape[1]]
             gemv(a, L.comp_kv, u, None, s2, threads=nt)
             gemv(g, L.comp_gate, u, None, s2, threads=nt)
+            out, rowmap = c.comp, None
+            if self.swap is not None and cfg.is_csa(i):  # the pool, or this chunk's slot
+                out, rowmap = self.swap.compressor_target(i)
             compressor_step(c.state_kv, c.state_score, a.reshape(a.shape[1]),
                             g.reshape(g.shape[1]), L.comp_ape, self.pos, c.ratio,
-                            cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, c.comp,
-                            stream=s2, threads=nt)
+                            cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, out,
+                            stream=s2, threads=nt, rowmap=rowmap)
         gemv(self.cq, L.q_a, u, None, s, threads=nt)
         rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
         gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, s, threads=nt)
@@ -239,9 +246,11 @@ class DecodeEngine:
             self.side.join(s)
         scale = 1.0 / math.sqrt(K)
         if cfg.is_csa(i):
-            attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, c.comp,
-                             self.sel, self.n_comp[c.ratio], 0, L.sinks, scale, stream=s,
-                             threads=nt)
+            comp, sel = c.comp, self.sel
+            if self.swap is not None:  # staging rows through the remapped top-k, or the pool
+                comp, sel = self.swap.attention_source(i, self.sel, s)
+            attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel,
+                             self.n_comp[c.ratio], 0, L.sinks, scale, stream=s, threads=nt)
         elif c.ratio:  # HCA: every emitted entry
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, c.comp,
                              self.no_sel, self.n_comp[c.ratio], 1, L.sinks, scale, stream=s,
@@ -263,18 +272,24 @@ class DecodeEngine:
         ia, ig = self.idx_in
         gemv(ia, L.idx_kv, u, None, s, threads=nt)
         gemv(ig, L.idx_gate, u, None, s, threads=nt)
+        swapped = self.swap is not None and i in self.swap.krank
+        keys, rowmap = (self.swap.key_compressor_target(i) if swapped
+                        else (c.index_keys, None))  # (swapped: the pool, or the chunk's slot)
         compressor_step(c.index_kv, c.index_score, ia.reshape(2 * DI), ig.reshape(2 * DI),
                         L.idx_ape, self.pos, c.ratio, True, L.idx_norm, L.freqs, cfg.rms_eps,
-                        MODE_INDEX_FP4, None, c.index_keys, stream=s, threads=nt)
+                        MODE_INDEX_FP4, None, keys, stream=s, threads=nt, rowmap=rowmap)
         gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, self.cq_norm, None, s, threads=nt)
         rope(self.qi, self.qi, self.pos, L.freqs, False, s, threads=nt, **sim)
         hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt, **sim)
         gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
         sk.scale(self.idx_w, index_weight_scale(cfg), s)
         n = self.n_comp[c.ratio]
-        scores = self.scores[:c.index_keys.shape[0]]
-        indexer_scores(scores, self.qi_rot.reshape(HI, DI), self.idx_w.reshape(HI),
-                       c.index_keys, n, stream=s, threads=nt)
+        scores = self.scores[:max(1, self.capacity // c.ratio)]
+        q, w = self.qi_rot.reshape(HI, DI), self.idx_w.reshape(HI)
+        if swapped:  # over the staged keys, back in chunk order (or over the pool, direct)
+            self.swap.score_staged_keys(i, scores, q, w, n, s, nt)
+        else:
+            indexer_scores(scores, q, w, c.index_keys, n, stream=s, threads=nt)
         if self.mem is not None:  # top-k inside the Memory Indexer's resident set
             self.mem.mask_scores(scores, s)
         topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt)
@@ -305,6 +320,8 @@ class DecodeEngine:
         s = self.stream
         for c in self.caches:
             c.reset(s)
+        if self.swap is not None:
+            self.swap.reset()
         ids = np.zeros(self.capacity + 1, np.int32)
         ids[:n] = prompt
         self.ids.copy_to_device(ids, stream=s)
@@ -348,8 +365,9 @@ class DecodeEngine:
         """One step. On a GPU the first step with given sampling settings runs eagerly (it
         compiles and lazily allocates), the second captures the step as a CUDA graph, and every
         later one replays it. The simulator, and ``graph=False``, launch eagerly."""
-        if not graph or device.SIMULATOR:
-            self.launch_step(temperature, top_p)
+        direct = self.swap is not None and not self.swap.staged
+        if not graph or device.SIMULATOR or direct:  # (KV swap: direct steps are the first
+            self.launch_step(temperature, top_p)     # two; they read the pool, not staging)
             return
         key = (float(temperature), float(top_p))
         if self._graph is None or self._graph[0] != key:
@@ -416,8 +434,11 @@ class DecodeEngine:
                 if self.mem is not None:  # a cycle boundary: score, select, commit
                     self.mem.after_step(done)
         decode_s = time.perf_counter() - t1
-        return dict(tokens=out, prefill_s=prefill_s, decode_s=decode_s,
-                    decode_steps=done - n, stop=stop)
+        res = dict(tokens=out, prefill_s=prefill_s, decode_s=decode_s,
+                   decode_steps=done - n, stop=stop)
+        if self.swap is not None:
+            res["kv_swap"] = self.swap.stats()
+        return res
 
     def read_ids(self, start: int, stop: int) -> np.ndarray:
         """ids[start:stop] on the host (a sync)."""

@@ -13,6 +13,7 @@ sinks and compressor position embeddings are small and go up as float32. Layout 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import numpy as np
 from numba import cuda
 
 from ..config import ModelConfig
+from .. import quants
 from ..numerics import rope_frequencies
 from ..quants import GGMLType
 from ..kernels.gemv import pack_weight
@@ -39,15 +41,16 @@ def grouped_matrix(t: Tensor, groups: int) -> QWeight:
     return pack_weight(np.asarray(t.raw), t.qtype, rows, t.shape[1])
 
 
+# the embedding's device dtype by GGUF type (read by row as stored); any other type: float32
+EMBED_DTYPES = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
+
+
 def embedding_table(t: Tensor) -> np.ndarray:
     """[V, D] in a dtype the embed kernel reads: float32, float16 or uint16 bf16 bits."""
-    if t.qtype == GGMLType.F32:
-        return np.asarray(t.raw, np.float32).reshape(t.shape)
-    if t.qtype == GGMLType.F16:
-        return np.asarray(t.raw).view(np.float16).reshape(t.shape)
-    if t.qtype == GGMLType.BF16:
-        return np.ascontiguousarray(t.raw).view(np.uint16).reshape(t.shape)
-    return t.dense(np.float32)
+    dtype = EMBED_DTYPES.get(t.qtype)
+    if dtype is None:
+        return t.dense(np.float32)
+    return np.ascontiguousarray(t.raw).view(dtype).reshape(t.shape)
 
 
 @dataclass
@@ -122,6 +125,71 @@ class GGUFSource:
 
     def array(self, a: np.ndarray):
         return self._put(a)
+
+
+class SizeSource:
+    """The source interface with nothing read, drawn or uploaded: each call adds the bytes
+    GGUFSource / SyntheticSource put on the GPU for that tensor, so that
+    ``DeviceWeights(cfg, SizeSource(...)).nbytes`` is the weights' GPU size, walked through the
+    very code that uploads them (which tensors, grouped and fused matrices, extra arrays).
+
+    A matrix costs its packed planes (pack_weight's layout, not the GGUF bytes: Q4_K, e.g.,
+    unpacks its scales): every plane has leading dims [E, N] (qweight.py), so it is E·N times
+    the planes of one zero row packed the same way. Vectors go up as float32, the hash table as
+    int32, the embedding as EMBED_DTYPES says. ``tensors``: (layer or None, attr) -> (GGML
+    type, numpy shape)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors, self.nbytes = tensors, 0
+
+    @classmethod
+    def of_weights(cls, w: Weights) -> "SizeSource":
+        """A loaded GGUF's tensor table (memory-mapped: no tensor data is read)."""
+        tree = [(None, vars(w))] + [(b.index, vars(b)) for b in w.blocks]
+        return cls({(layer, attr): (t.qtype, t.shape) for layer, attrs in tree
+                    for attr, t in attrs.items() if isinstance(t, Tensor)})
+
+    @classmethod
+    def of_specs(cls, cfg: ModelConfig, quant: str) -> "SizeSource":
+        """The tensor table make-model (and SyntheticSource) would give ``cfg`` in ``quant``."""
+        from ..synthetic import tensor_type
+        from ..weights import attr_name, tensor_specs
+
+        return cls({(int(s.name.split(".")[1]) if s.name.startswith("blk.") else None,
+                     attr_name(s.name)): (tensor_type(s, quant), tuple(reversed(s.ne)))
+                    for s in tensor_specs(cfg)})
+
+    def _add(self, nbytes: int) -> None:
+        self.nbytes += int(nbytes)  # DeviceWeights keeps None where a device tensor would be
+
+    def vector(self, layer, attr):
+        return self._add(4 * math.prod(self.tensors[layer, attr][1]))
+
+    def ints(self, layer, attr, k: int):
+        return self._add(4 * math.prod(self.tensors[layer, attr][1]))
+
+    def table(self, layer, attr):
+        qtype, shape = self.tensors[layer, attr]
+        return self._add(np.dtype(EMBED_DTYPES.get(qtype, np.float32)).itemsize *
+                         math.prod(shape))
+
+    def matrix(self, layer, attr, groups: int = 1):
+        qtype, shape = self.tensors[layer, attr]  # [E?, N, K]; G groups keep E·N rows in all
+        return self._add(math.prod(shape[:-1]) * packed_row_bytes(qtype, shape[-1]))
+
+    def fused(self, layer, gate: str, up: str):
+        self.matrix(layer, gate)
+        return self.matrix(layer, up)
+
+    def array(self, a: np.ndarray):
+        return self._add(a.nbytes)
+
+
+@functools.lru_cache(maxsize=None)
+def packed_row_bytes(qtype: int, cols: int) -> int:
+    """Device bytes of one row of ``cols`` elements of a ``qtype`` matrix (its packed planes)."""
+    raw = np.zeros((1, quants.row_bytes(qtype, cols)), np.uint8)
+    return pack_weight(raw, qtype, 1, cols).nbytes
 
 
 class DeviceWeights:

@@ -30,21 +30,21 @@ import time
 import numpy as np
 from numba import cuda
 
+from ..kernels import device
 from ..kernels.attention_prefill import attention_prefill, store_chunk_rows
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_chunk
 from ..kernels.embed_sample import embed
 from ..kernels.gemv import gemv
 from ..kernels.hc import hc_post, hc_pre
 from ..kernels.indexer import indexer_scores_chunk, topk_chunk
-from ..kernels.kvpack import kv_entry_bytes
 from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
 from ..kernels.norm_rope import rmsnorm, rope
 from ..kernels.qat import hadamard_fp4, kv_pack
 from . import step_kernels as sk
 from .device_weights import index_weight_scale
+from .layout import compressor_widths, prefill_buffer_specs
 
 DEFAULT_CHUNK = 512
-SCORES_FLOATS = 64 << 20  # indexer scores workspace: 256 MiB
 
 
 class ChunkPrefill:
@@ -57,53 +57,21 @@ class ChunkPrefill:
 
     # ---- buffers, for the largest chunk; a shorter chunk takes views [:T] ----------------------
     def _alloc(self):
-        eng, cfg, T = self.eng, self.cfg, self.T
-        s = eng.stream
-        D, HC, H, K, G = cfg.dim, cfg.hc_mult, cfg.n_heads, cfg.head_dim, cfg.o_groups
-        HI, DI, k, F = cfg.index_heads, cfg.index_dim, cfg.n_experts_used, cfg.moe_dim
-        f32 = np.float32
-
-        self._buffers = []
-
-        def buf(*shape, dtype=f32):
-            self._buffers.append(cuda.device_array(shape, dtype, stream=s))
-            return self._buffers[-1]
-
-        def put(a):
-            self._buffers.append(cuda.to_device(a, stream=s))
-            return self._buffers[-1]
-        nr = len(eng.ratios)
-        self.table = buf(1 + (1 + nr) * T, dtype=np.int32)  # p0, pos[T], visible counts [T]/ratio
-        self.e = buf(T, D)
-        self.X = (buf(T, HC, D), buf(T, HC, D))
-        self.u_in, self.u = buf(T, D), buf(T, D)
-        self.post, self.comb = buf(T, HC), buf(T, HC, HC)
-        self.cq, self.q = buf(T, cfg.q_rank), buf(T, H, K)
-        self.kv = buf(T, K)
-        self.kv_rows = buf(T, kv_entry_bytes(K, cfg.rope_dim), dtype=np.uint8)
-        widths = {cfg.coff(i) * K for i in range(cfg.n_layers) if cfg.ratio(i)}
-        self.comp_in = {w: (buf(T, w), buf(T, w)) for w in widths}
-        self.comp_scratch = {r: buf(T // r + 1, K) for r in eng.ratios}
-        self.idx_in = (buf(T, 2 * DI), buf(T, 2 * DI))
-        self.idx_scratch = buf(T // 4 + 1, DI)
-        self.qi, self.qi_rot, self.idx_w = buf(T, HI, DI), buf(T, HI, DI), buf(T, HI)
-        # [rows, visible keys] per scoring pass, reshaped per chunk; bounded, so a long context
-        # scores a chunk's tokens in several passes rather than hold T x ctx/4 floats
-        self.scores = buf(min(T * max(1, eng.capacity // 4), SCORES_FLOATS))
-        self.sel = buf(T, cfg.index_topk, dtype=np.int32)
-        self.no_sel = put(np.full((T, 1), -1, np.int32))
-        self.zeros_T = put(np.zeros(T, np.int32))
-        self.ones_T = put(np.ones(T, f32))
-        self.o = buf(T, H, K)
-        self.o_groups = buf(G, T, H // G * K)
-        self.y_groups, self.y = buf(G, T, cfg.o_rank), buf(T, G, cfg.o_rank)
-        self.f = buf(T, D)
-        self.router, self.route_w = buf(T, cfg.n_experts), buf(T, k)
-        self.route_ids = buf(T, k, dtype=np.int32)
-        self.x_rep = buf(T * k, D)
-        self.gate_up, self.h, self.down = buf(T * k, 2 * F), buf(T * k, F), buf(T * k, D)
-        self.sh_gate_up, self.sh_h = buf(T, 2 * F), buf(T, F)
-        self.sh_down = put(np.zeros((T, D), f32))
+        """The buffers of layout.prefill_buffer_specs (what ``pocketfm plan`` counts), each the
+        attribute of its name; pairs ``X.0`` / ``X.1`` become tuples, per-width / per-ratio
+        buffers dicts."""
+        eng, cfg = self.eng, self.cfg
+        fills = dict(no_sel=-1, zeros_T=0, ones_T=1, sh_down=0)  # sh_down: no shared expert
+        b = device.allocate(prefill_buffer_specs(cfg, eng.capacity, self.T), eng.stream, fills)
+        self._buffers = list(b.values())
+        for name, a in b.items():
+            if "." not in name:
+                setattr(self, name, a)
+        self.X = (b["X.0"], b["X.1"])
+        self.comp_in = {w: (b[f"comp_in.{w}.0"], b[f"comp_in.{w}.1"])
+                        for w in compressor_widths(cfg)}
+        self.comp_scratch = {r: b[f"comp_scratch.{r}"] for r in eng.ratios}
+        self.idx_in = (b["idx_in.0"], b["idx_in.1"])
 
     @property
     def nbytes(self) -> int:
@@ -173,22 +141,23 @@ class ChunkPrefill:
         rope(kv3, kv3, self.pos, L.freqs, False, s, threads=nt, **sim)
         rows = self.kv_rows[:T]
         kv_pack(rows, kv, R, stream=s, threads=nt)  # the chunk's own 584 B entries
-        if c.ratio:  # every block the chunk completes lands in c.comp before attention reads it
+        comp = eng.comp_of(i)  # (KV swap: the CSA layers' rows of the host pool)
+        if c.ratio:  # every block the chunk completes lands in comp before attention reads it
             a, g = (x[:T] for x in self.comp_in[c.state_kv.shape[1]])
             gemv(a, L.comp_kv, u, None, s, threads=nt)
             gemv(g, L.comp_gate, u, None, s, threads=nt)
             compressor_chunk(c.state_kv, c.state_score, a, g, L.comp_ape, self.pos0, c.ratio,
-                             cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, c.comp,
+                             cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, comp,
                              scratch=self.comp_scratch[c.ratio], stream=s, threads=nt)
         o = self.o[:T]
         args = (o, q, c.window, rows)
         scale = 1.0 / math.sqrt(K)
         if cfg.is_csa(i):
             sel = self._indexer(i, T, L, c)
-            attention_prefill(*args, c.comp, sel, self.visible[c.ratio], 0, self.pos0, L.sinks,
+            attention_prefill(*args, comp, sel, self.visible[c.ratio], 0, self.pos0, L.sinks,
                               scale, stream=s, threads=nt)
         elif c.ratio:  # HCA: every visible entry
-            attention_prefill(*args, c.comp, self.no_sel[:T], self.visible[c.ratio], 1,
+            attention_prefill(*args, comp, self.no_sel[:T], self.visible[c.ratio], 1,
                               self.pos0, L.sinks, scale, stream=s, threads=nt)
         else:
             attention_prefill(*args, eng.no_comp, self.no_sel[:T], self.zeros_T[:T], 0,
@@ -225,10 +194,11 @@ class ChunkPrefill:
         eng, cfg, s, nt, sim = self.eng, self.cfg, self.eng.stream, self.eng.nt, self.eng.sim
         HI, DI, u = cfg.index_heads, cfg.index_dim, self.u[:T]
         ia, ig = (x[:T] for x in self.idx_in)
+        keys = eng.keys_of(i)  # (KV swap, a non-target layer: its rows of the host key pool)
         gemv(ia, L.idx_kv, u, None, s, threads=nt)
         gemv(ig, L.idx_gate, u, None, s, threads=nt)
         compressor_chunk(c.index_kv, c.index_score, ia, ig, L.idx_ape, self.pos0, c.ratio, True,
-                         L.idx_norm, L.freqs, cfg.rms_eps, MODE_INDEX_FP4, None, c.index_keys,
+                         L.idx_norm, L.freqs, cfg.rms_eps, MODE_INDEX_FP4, None, keys,
                          scratch=self.idx_scratch, stream=s, threads=nt)
         qi, qi_rot, w = self.qi[:T], self.qi_rot[:T], self.idx_w[:T]
         gemv(qi.reshape(T, HI * DI), L.idx_q_b, self.cq[:T], None, s, threads=nt)
@@ -242,7 +212,7 @@ class ChunkPrefill:
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             scores = self.scores[:(t1 - t0) * n_keys].reshape(t1 - t0, n_keys)
-            indexer_scores_chunk(scores, qi_rot[t0:t1], w[t0:t1], c.index_keys,
+            indexer_scores_chunk(scores, qi_rot[t0:t1], w[t0:t1], keys,
                                  visible[t0:t1], stream=s, threads=nt)
             topk_chunk(sel[t0:t1], scores, visible[t0:t1], cfg.index_topk, stream=s,
                        threads=nt)

@@ -95,6 +95,24 @@ def sort_selected_ref(sel) -> None:
     sel[...] = np.where(key == np.iinfo(np.int32).max, -1, key)
 
 
+def remap_rows_ref(out, sel, lut) -> None:
+    """out[i] = lut[sel[i]] for sel[i] >= 0, else -1: a top-k of logical chunk ids turned into
+    KV-swap staging slots (lut = the swap table's slot_of_chunk; -1 = not staged). An id past
+    the LUT maps to -1 too."""
+    ok = (sel >= 0) & (sel < len(lut))
+    out[...] = -1
+    out[ok] = lut[sel[ok]]
+
+
+def scores_by_chunk_ref(scores, slot_scores, lut, n_visible) -> None:
+    """scores[j] = slot_scores[lut[j]] for the visible chunks j < n_visible[0] (-inf where the
+    chunk is not staged): the native indexer, run over the KV-swap staging slots' keys, back in
+    chunk order, where the unchanged top-k (and its tie rule) takes over."""
+    n = min(int(n_visible[0]), len(scores))
+    slot = lut[:n]
+    scores[:n] = np.where(slot >= 0, slot_scores[np.maximum(slot, 0)], -np.inf)
+
+
 def swap_leading_ref(out, x) -> None:
     """out[B, A, C] = x[A, B, C] with the two leading axes swapped."""
     out[...] = np.swapaxes(x, 0, 1)
@@ -172,6 +190,22 @@ def _drop_nonresident(sel, resident, n_commit):
         j = sel[i]
         if j >= 0 and j < n_commit[0] and resident[j] == 0:
             sel[i] = -1
+
+
+@device.kernel
+def _remap_rows(out, sel, lut):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        j = sel[i]
+        out[i] = lut[j] if j >= 0 and j < lut.shape[0] else -1
+
+
+@device.kernel
+def _scores_by_chunk(scores, slot_scores, lut, n_visible):
+    n = min(n_visible[0], scores.shape[0])
+    for j in range(cuda.grid(1), n, cuda.gridsize(1)):
+        slot = lut[j]
+        scores[j] = slot_scores[slot] if slot >= 0 else -np.inf
 
 
 @device.kernel
@@ -276,6 +310,22 @@ def drop_nonresident(sel, resident, n_commit, stream=0) -> None:
     _drop_nonresident[cdiv(sel.shape[0], nt), nt, stream](sel, resident, n_commit)
 
 
+def remap_rows(out, sel, lut, stream=0) -> None:
+    """out int32 [k] <- the staging slot of each selected chunk in sel int32 [k], through the
+    device LUT int32 [N] (KV swap: attention then reads the staging rows; the LUT is uploaded
+    between graph replays, so a replay reads the set committed last)."""
+    nt = 128
+    _remap_rows[cdiv(out.shape[0], nt), nt, stream](out, sel, lut)
+
+
+def scores_by_chunk(scores, slot_scores, lut, n_visible, stream=0) -> None:
+    """scores float32 [N] <- slot_scores float32 [S] through lut int32 [N] (slot of each chunk,
+    -1: not staged) for j < n_visible int32 [1] (device)."""
+    nt = 256
+    _scores_by_chunk[min(cdiv(scores.shape[0], nt), 1024), nt, stream](scores, slot_scores, lut,
+                                                                       n_visible)
+
+
 def copy_if_flag(dst, src, flag, stream=0) -> None:
     """dst int32 [k] <- src [k] when the device flag int32[1] is set (a captured graph's
     choice between the native and the global top-k)."""
@@ -310,5 +360,7 @@ PTX_SIGNATURES = [
     (_drop_nonresident, "void(int32[::1], uint8[::1], int32[::1])"),
     (_sort_selected, "void(int32[:, ::1])"),
     (_copy_if_flag, "void(int32[::1], int32[::1], int32[::1])"),
+    (_remap_rows, "void(int32[::1], int32[::1], int32[::1])"),
+    (_scores_by_chunk, "void(float32[::1], float32[::1], int32[::1], int32[::1])"),
     (_flag_after_prompt, "void(int32[::1], int32[::1])"),
 ]

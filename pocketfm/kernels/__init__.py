@@ -7,4 +7,5 @@ the argument types it is compiled for in CI lane B (see device.py). ``bench_case
 kernel's V4-Flash-shaped benchmark for ``bin/bench-kernels``.
 """
 FAMILIES = ("kvpack", "gemv", "gemv_lowbit", "norm_rope", "hc", "embed_sample", "qat",
-            "compressor", "indexer", "attention", "attention_prefill", "moe", "retriever")
+            "compressor", "indexer", "attention", "attention_prefill", "moe", "retriever",
+            "kvgather")

@@ -83,10 +83,25 @@ def compressor_chunk_ref(state_kv, state_score, a, g, ape, pos0, ratio, overlap,
 
 
 def compressor_step_ref(state_kv, state_score, a, g, ape, pos, ratio, overlap, norm_w, freqs,
-                        rms_eps, mode, out_entries, out_packed=None) -> None:
-    """Decode form: one token a/g [coff·d] at position pos[0]."""
+                        rms_eps, mode, out_entries, out_packed=None, rowmap=None) -> None:
+    """Decode form: one token a/g [coff·d] at position pos[0]; ``rowmap`` sends entry j to
+    row rowmap[j] of both outputs (-1: nowhere)."""
+    if rowmap is None:
+        compressor_chunk_ref(state_kv, state_score, a[None], g[None], ape, pos, ratio, overlap,
+                             norm_w, freqs, rms_eps, mode, out_entries, out_packed)
+        return
+    j = (int(pos[0]) + 1) // ratio - 1  # the entry this token would complete
+    tmp_f = np.zeros((max(j + 1, 0), out_entries.shape[1]), out_entries.dtype)
+    tmp_p = None if out_packed is None else np.zeros((tmp_f.shape[0], out_packed.shape[1]),
+                                                     np.uint8)
     compressor_chunk_ref(state_kv, state_score, a[None], g[None], ape, pos, ratio, overlap,
-                         norm_w, freqs, rms_eps, mode, out_entries, out_packed)
+                         norm_w, freqs, rms_eps, mode, tmp_f, tmp_p)
+    emits = (int(pos[0]) + 1) % ratio == 0 and 0 <= j < len(rowmap)
+    o = int(rowmap[j]) if emits else -1
+    if o >= 0 and o < out_entries.shape[0]:
+        out_entries[o] = tmp_f[j]
+    if o >= 0 and tmp_p is not None and o < out_packed.shape[0]:
+        out_packed[o] = tmp_p[j]
 
 
 # ---- pooling (shared by every kernel, so chunk and step results agree bit for bit) -------------
@@ -140,9 +155,10 @@ def _pool(state_kv, state_score, a, g, ape, pfirst, cur, j, e, d, ratio, overlap
 
 # ---- emission: one block turns pooled values into entry j ---------------------------------------
 @device_fn
-def _emit(vals, h, part, gmax, red, j, ratio, norm_w, freqs, rms_eps, mode, out_f, out_p):
+def _emit(vals, h, part, gmax, red, j, jo, ratio, norm_w, freqs, rms_eps, mode, out_f, out_p):
     """vals[0:d] (float32 shared, pooled) -> RMSNorm -> RoPE at r·j -> QAT of ``mode`` ->
-    out_f[j] / out_p[j]. Every thread of the block calls it (barriers); h, part, gmax and red
+    out_f[jo] / out_p[jo] (jo = j, or the KV-swap staging slot of entry j; < 0 writes nothing).
+    Every thread of the block calls it (barriers); h, part, gmax and red
     are shared scratch (float64 [d], float32 [d/8], [d/32], [blockDim])."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -178,8 +194,8 @@ def _emit(vals, h, part, gmax, red, j, ratio, norm_w, freqs, rms_eps, mode, out_
         for e in range(tid, d, nt):
             vals[e] = h[e] * inv
         cuda.syncthreads()
-    write_f = j < out_f.shape[0]
-    write_p = j < out_p.shape[0]
+    write_f = 0 <= jo < out_f.shape[0]
+    write_p = 0 <= jo < out_p.shape[0]
     if mode == MODE_KV_FP8:
         group_absmax(vals, nope, FP8_BLOCK, part, gmax)
         for e in range(tid, d, nt):
@@ -189,22 +205,22 @@ def _emit(vals, h, part, gmax, red, j, ratio, norm_w, freqs, rms_eps, mode, out_
                 es = fp8_exp(gmax[b])
                 q = fp8_value(float(v), es)
                 if write_f:
-                    out_f[j, e] = q
+                    out_f[jo, e] = q
                 if write_p:
                     k = fp8_pack_exp(float(gmax[b]), es)
-                    out_p[j, e] = e4m3_code(math.ldexp(q, -k))
+                    out_p[jo, e] = e4m3_code(math.ldexp(q, -k))
                     if e % FP8_BLOCK == 0:
-                        out_p[j, d + 2 * half + b] = k + 127
+                        out_p[jo, d + 2 * half + b] = k + 127
             else:
                 if write_f:
-                    out_f[j, e] = v
+                    out_f[jo, e] = v
                 if write_p:
                     bits = bf16_bits(v)
-                    out_p[j, 2 * e - nope] = bits & 255
-                    out_p[j, 2 * e - nope + 1] = bits >> 8
+                    out_p[jo, 2 * e - nope] = bits & 255
+                    out_p[jo, 2 * e - nope + 1] = bits >> 8
         if write_p:
             for o in range(d + 2 * half + nope // FP8_BLOCK + tid, out_p.shape[1], nt):
-                out_p[j, o] = 0
+                out_p[jo, o] = 0
     elif mode == MODE_INDEX_FP4:
         group_absmax(vals, d, FP4_BLOCK, part, gmax)
         for u in range(tid, d // 2, nt):  # a thread per packed byte: elements 2u, 2u+1
@@ -213,27 +229,28 @@ def _emit(vals, h, part, gmax, red, j, ratio, norm_w, freqs, rms_eps, mode, out_
             q0 = fp4_value(float(vals[2 * u]), es)
             q1 = fp4_value(float(vals[2 * u + 1]), es)
             if write_f:
-                out_f[j, 2 * u] = q0
-                out_f[j, 2 * u + 1] = q1
+                out_f[jo, 2 * u] = q0
+                out_f[jo, 2 * u + 1] = q1
             if write_p:
                 k = fp4_pack_exp(float(gmax[b]), es)
-                out_p[j, u] = fp4_code(q0, k) | (fp4_code(q1, k) << 4)
+                out_p[jo, u] = fp4_code(q0, k) | (fp4_code(q1, k) << 4)
                 if (2 * u) % FP4_BLOCK == 0:
-                    out_p[j, d // 2 + b] = k + 127
+                    out_p[jo, d // 2 + b] = k + 127
         if write_p:
             for o in range(d // 2 + d // FP4_BLOCK + tid, out_p.shape[1], nt):
-                out_p[j, o] = 0
+                out_p[jo, o] = 0
     elif write_f:
         for e in range(tid, d, nt):
-            out_f[j, e] = vals[e]
+            out_f[jo, e] = vals[e]
 
 
 # ---- decode step ----------------------------------------------------------------------------------
 @device.kernel
 def _compressor_step_block(state_kv, state_score, a, g, ape, pos, ratio, overlap, norm_w, freqs,
-                           rms_eps, mode, out_f, out_p):
+                           rms_eps, mode, out_f, out_p, rowmap):
     """One block: write the token's state row; if it completes a block (decided on the device
-    from pos[0], uniformly for the block), pool every dimension, shift the CSA rows, emit."""
+    from pos[0], uniformly for the block), pool every dimension, shift the CSA rows, emit into
+    row j, or row rowmap[j] when rowmap is not empty (KV swap: the staging slot of chunk j)."""
     vals = cuda.shared.array(MAX_D, float32)
     h = cuda.shared.array(MAX_D, float64)
     part = cuda.shared.array(MAX_D_PARTS, float32)
@@ -262,24 +279,27 @@ def _compressor_step_block(state_kv, state_score, a, g, ape, pos, ratio, overlap
             c = x - r0 * width
             state_kv[r0, c] = state_kv[ratio + r0, c]
             state_score[r0, c] = state_score[ratio + r0, c]
-    _emit(vals, h, part, gmax, red, j, ratio, norm_w, freqs, rms_eps, mode, out_f, out_p)
+    jo = j if rowmap.shape[0] == 0 else (rowmap[j] if j < rowmap.shape[0] else -1)
+    _emit(vals, h, part, gmax, red, j, jo, ratio, norm_w, freqs, rms_eps, mode, out_f, out_p)
 
 
 def compressor_step(state_kv, state_score, a, g, ape, pos, ratio: int, overlap: bool, norm_w,
                     freqs, rms_eps: float, mode: int, out_entries, out_packed=None, stream=0,
-                    threads=None) -> None:
+                    threads=None, rowmap=None) -> None:
     """One decode token: state_kv/score [rows, coff·d] f32 (updated), a/g [coff·d] f32,
     ape [r, coff·d] f32, pos[1] int32 (device, so a graph replays it), norm_w [d] f32,
     freqs [R/2] f64; emits entry j = (pos+1)/r - 1 into out_entries[N, d] f32 and, for modes
     0 / 2, out_packed[N, bytes] uint8 when the token completes a block. Either output may be
-    None (nothing written there)."""
+    None (nothing written there). ``rowmap`` [N] int32 (KV swap): write row rowmap[j] instead
+    of j (the chunk's GPU staging slot; -1 writes nothing)."""
     d = _check(state_kv, ape, ratio, overlap, norm_w, freqs, mode, out_packed)
     width = state_kv.shape[1]
     nt = _block_threads(threads, d)
     _compressor_step_block[1, nt, stream](
         state_kv, state_score, a.reshape(1, width), g.reshape(1, width), ape, pos, int32(ratio),
         int32(overlap), norm_w, freqs, float32(rms_eps), int32(mode),
-        _or_empty(out_entries, np.float32), _or_empty(out_packed, np.uint8))
+        _or_empty(out_entries, np.float32), _or_empty(out_packed, np.uint8),
+        _no_rowmap() if rowmap is None else rowmap)
 
 
 # ---- prefill chunk ------------------------------------------------------------------------------
@@ -373,8 +393,8 @@ def _emit_entries(scratch, pos0, ntok, ratio, norm_w, freqs, rms_eps, mode, out_
     for e in range(cuda.threadIdx.x, norm_w.shape[0], cuda.blockDim.x):
         vals[e] = scratch[k, e]
     cuda.syncthreads()
-    _emit(vals, h, part, gmax, red, p0 // ratio + k, ratio, norm_w, freqs, rms_eps, mode, out_f,
-          out_p)
+    j = p0 // ratio + k
+    _emit(vals, h, part, gmax, red, j, j, ratio, norm_w, freqs, rms_eps, mode, out_f, out_p)
 
 
 def compressor_chunk(state_kv, state_score, a, g, ape, pos0, ratio: int, overlap: bool, norm_w,
@@ -405,6 +425,17 @@ def compressor_chunk(state_kv, state_score, a, g, ape, pos0, ratio: int, overlap
 
 
 # ---- launch helpers -----------------------------------------------------------------------------
+class _NoRowmap:
+    """A zero-length int32 device vector, made on first use (no allocation at import)."""
+    arr = None
+
+
+def _no_rowmap():
+    if _NoRowmap.arr is None:
+        _NoRowmap.arr = cuda.device_array(0, np.int32)
+    return _NoRowmap.arr
+
+
 def _or_empty(arr, dtype):
     return empty_rows(dtype) if arr is None else arr
 
@@ -441,7 +472,7 @@ _F1, _F2, _U2 = "float32[::1]", "float32[:, ::1]", "uint8[:, ::1]"
 _STATE = f"{_F2}, {_F2}, {_F2}, {_F2}, {_F2}, int32[::1], int32, int32"  # state, a, g, ape, pos
 _EMIT = f"{_F1}, float64[::1], float32, int32, {_F2}, {_U2}"  # norm_w, freqs, eps, mode, outs
 PTX_SIGNATURES = [
-    (_compressor_step_block, f"void({_STATE}, {_EMIT})"),
+    (_compressor_step_block, f"void({_STATE}, {_EMIT}, int32[::1])"),
     (_chunk_pool_scan, f"void({_STATE}, {_F2})"),
     (_chunk_pool_gather, f"void({_STATE}, {_F2})"),
     (_chunk_state_tail, f"void({_STATE})"),

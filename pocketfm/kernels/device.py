@@ -13,6 +13,7 @@ Inside kernels the module must be referred to as ``cuda`` (the simulator swaps t
 from __future__ import annotations
 
 import numba
+import numpy as np
 from numba import cuda
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
@@ -176,6 +177,20 @@ def to_device(a, stream=0):
 
 def device_empty(shape, dtype, stream=0):
     return cuda.device_array(shape, dtype=dtype, stream=stream)
+
+
+def allocate(specs, stream=0, fills=None) -> dict:
+    """{spec.name: device array} for GPU ``engine.layout.ArraySpec``s, uninitialised except the
+    names in ``fills`` (a value or a host array, broadcast to the spec's shape and copied in)."""
+    out = {}
+    for sp in specs:
+        assert sp.where == "gpu", sp
+        if fills and sp.name in fills:
+            host = np.broadcast_to(np.asarray(fills[sp.name], sp.dtype), sp.shape)
+            out[sp.name] = cuda.to_device(np.ascontiguousarray(host), stream=stream)
+        else:
+            out[sp.name] = cuda.device_array(sp.shape, dtype=sp.dtype, stream=stream)
+    return out
 
 
 _SM_COUNT: list = []

@@ -25,19 +25,11 @@ import math
 import numpy as np
 from numba import cuda
 
+from ..engine.layout import index_key_bytes, kv_entry_bytes  # noqa: F401 (sizes of these formats)
 from ..quants import bf16_to_float32, float32_to_bf16
 
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
-def kv_entry_bytes(head_dim: int, rope_dim: int) -> int:
-    nope = head_dim - rope_dim
-    return -(-(nope + 2 * rope_dim + nope // 64) // 8) * 8
-
-
-def index_key_bytes(index_dim: int) -> int:
-    return -(-(index_dim // 2 + index_dim // 32) // 4) * 4
 
 
 # ---- NumPy references -------------------------------------------------------------------------

@@ -425,6 +425,12 @@ class MoEScratch:
     def allocate(cls, D: int, F: int, E: int, k: int, stream=0) -> "MoEScratch":
         return cls(D, F, E, k, stream)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the buffers (engine/layout.py's moe_scratch_specs must agree)."""
+        owned = ("logits", "ids", "w_ext", "x_rep", "gate", "up", "gate_up", "h", "down", "zero")
+        return sum(int(getattr(self, n).nbytes) for n in owned)
+
 
 def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, up_exps,
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,

@@ -153,6 +153,19 @@ class DeviceRetrieverLayer:
                    a=device.device_empty((1, rank), np.float32, stream),
                    q_pre=device.device_empty((1, H * DI), np.float32, stream))
 
+    @staticmethod
+    def planned_bytes(layer) -> int:
+        """Device bytes ``from_host(layer)`` allocates, without uploading (``pocketfm plan``;
+        tests compare with ``nbytes``): the four tensors as float32, then the two scratch rows."""
+        weights = (layer.wq_a, layer.q_norm, layer.wq_b, layer.weights_proj)
+        return 4 * (sum(w.size for w in weights) + layer.rank + layer.wq_b.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (*self.wq_a.planes, self.q_norm, *self.wq_b.planes, *self.weights_proj.planes,
+                  self.a, self.q_pre)
+        return sum(int(a.nbytes) for a in arrays)
+
 
 def retriever_query(q_out, w_out, x, layer: DeviceRetrieverLayer, cos, sin, hadamard=None,
                     bf16_rope: bool = True, stream=0, threads=None, naive: bool = False) -> None:

@@ -138,3 +138,40 @@ def test_step_equals_chunk(case):
     kv, sc, _, packed = s.run_chunk(mode, naive=True, packed=True, entries=False)
     for x, y in zip(steps[:2] + steps[3:], (kv, sc, packed)):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("case", ["csa_kv", "csa_index"])
+def test_step_rowmap_writes_the_staging_slot(case):
+    """KV swap: with a rowmap the step writes entry j into row rowmap[j] (its GPU staging slot)
+    — the same bytes the plain step writes into row j — and nothing for rowmap[j] = -1; the
+    reference does the same."""
+    rng = fresh_rng()
+    r = CASES[case][0]
+    s = Setup(case, 3 * r + 1, rng)
+    mode = s.modes[0]
+    _, _, plain, plain_p = s.run_steps(mode)
+    slots = s.N + 3
+    rowmap = rng.permutation(slots)[:s.N].astype(np.int32)
+    rowmap[s.js[0]] = -1  # an entry without a slot is dropped
+    kv, sc = cuda.to_device(s.kv), cuda.to_device(s.score)
+    out = cuda.to_device(np.full((slots, s.d), 7.0, np.float32))
+    outp = cuda.to_device(np.full((slots, s.packed_bytes(mode)), 0xAB, np.uint8))
+    ref_kv, ref_sc = s.kv.copy(), s.score.copy()
+    ref_out, ref_p = np.full((slots, s.d), 7.0, np.float32), \
+        np.full((slots, s.packed_bytes(mode)), 0xAB, np.uint8)
+    ape, pos, d_map = cuda.to_device(s.ape), cuda.to_device(s.pos0), cuda.to_device(rowmap)
+    for t in range(s.T):
+        pos.copy_to_device(s.pos0 + t)
+        cp.compressor_step(kv, sc, cuda.to_device(s.a[t]), cuda.to_device(s.g[t]), ape, pos,
+                           *s.args(mode), out, outp, threads=THREADS, rowmap=d_map)
+        cp.compressor_step_ref(ref_kv, ref_sc, s.a[t], s.g[t], s.ape, s.pos0 + t, s.ratio,
+                               s.overlap, s.norm_w, s.freqs, EPS, mode, ref_out, ref_p,
+                               rowmap=rowmap)
+    got, got_p = out.copy_to_host(), outp.copy_to_host()
+    written = [j for j in s.js if rowmap[j] >= 0]
+    assert written and np.array_equal(got[rowmap[written]], plain[written])
+    assert np.array_equal(got_p[rowmap[written]], plain_p[written])
+    untouched = np.setdiff1d(np.arange(slots), rowmap[written])
+    assert (got[untouched] == 7.0).all() and (got_p[untouched] == 0xAB).all()
+    np.testing.assert_array_equal(got_p, ref_p)
+    np.testing.assert_array_equal(kv.copy_to_host(), ref_kv)

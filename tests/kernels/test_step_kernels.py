@@ -137,3 +137,39 @@ def test_global_set_replaces_the_native_choice_after_the_prompt():
         sk.copy_if_flag_ref(r, glob, ref)
         assert np.array_equal(d.copy_to_host(), r)
         assert np.array_equal(r, glob if want else native)
+
+
+def test_remap_rows_turns_chunk_ids_into_staging_slots():
+    rng = fresh_rng()
+    n, k = 50, 16
+    lut = np.full(n, -1, np.int32)
+    staged = rng.choice(n, 20, replace=False)
+    lut[staged] = rng.permutation(32)[:20]
+    sel = np.concatenate([rng.choice(staged, 10, replace=False),
+                          [-1, -1, n + 3], rng.choice(n, 3)]).astype(np.int32)
+    out = cuda.to_device(np.full(k, 99, np.int32))
+    sk.remap_rows(out, cuda.to_device(sel), cuda.to_device(lut))
+    got = out.copy_to_host()
+    ok = (sel >= 0) & (sel < n)
+    assert np.array_equal(got[ok], lut[sel[ok]]) and (got[~ok] == -1).all()
+    ref = np.full(k, 99, np.int32)
+    sk.remap_rows_ref(ref, sel, lut)
+    assert np.array_equal(ref, got)
+
+
+def test_scores_by_chunk_puts_slot_scores_back_in_chunk_order():
+    rng = fresh_rng()
+    n_cap, S, n = 40, 12, 33
+    lut = np.full(n_cap, -1, np.int32)
+    staged = rng.choice(n, 10, replace=False)
+    lut[staged] = rng.permutation(S)[:10]
+    slot_scores = rng.normal(size=S).astype(np.float32)
+    want = np.full(n_cap, 5.0, np.float32)
+    sk.scores_by_chunk_ref(want, slot_scores, lut, np.array([n], np.int32))
+    d = cuda.to_device(np.full(n_cap, 5.0, np.float32))
+    sk.scores_by_chunk(d, cuda.to_device(slot_scores), cuda.to_device(lut),
+                       cuda.to_device(np.array([n], np.int32)))
+    got = d.copy_to_host()
+    assert np.array_equal(got, want)
+    assert np.array_equal(got[staged], slot_scores[lut[staged]])
+    assert np.isneginf(np.delete(got[:n], staged)).all() and (got[n:] == 5.0).all()

@@ -1,0 +1,303 @@
+"""Every array the GPU engine allocates for its state, as data: the planner's numbers are the
+allocator's.
+
+``LayerCache`` (decode.py) allocates each layer's cache from ``layer_specs``,
+``DecodeEngine._alloc_step_buffers`` its step buffers from ``step_buffer_specs`` and
+``ChunkPrefill`` its chunk buffers from ``prefill_buffer_specs``; ``pocketfm plan`` (plan.py)
+adds the same specs up without allocating anything. Pure NumPy (no numba), so planning is cheap.
+
+Cache of layer i, N = max(1, capacity // r) entries (spec §6.1; packed formats §6.3)::
+
+    window       uint8 [W, 584]        every layer: the raw kv ring
+    comp         uint8 [N, 584]        compressed entries: "c4" on CSA layers (r = 4), "c128" on
+                                       HCA layers (V4: r = 128; tiny: 8)
+    state_kv     f32   [rows, coff·K]  compressor state, rows = 2r (CSA: overlapping) or r
+    state_score  f32   [rows, coff·K]
+    index_keys   uint8 [N, 68]         CSA: the indexer's FP4 keys
+    index_kv     f32   [2r, 2·DI]      CSA: the indexer compressor's state
+    index_score  f32   [2r, 2·DI]
+
+With KV swap (``gpu_chunks`` = S staging slots) the CSA layers' ``comp`` is not a per-layer array:
+the full history goes to a pinned host pool and the selected chunks to GPU staging, one slot
+mapping for all CSA layers (engine/kvswap.py)::
+
+    staging      uint8 [n_csa, S, 584]   GPU
+    pool         uint8 [n_csa, N4, 584]  pinned host, N4 = max(1, capacity // 4)
+
+(The CSA indexer keys stay whole on the GPU: the native indexer scores every key each step.)
+Letters: W window, K head dim, R rope dims, DI index dim, HI index heads, r ratio, T chunk
+tokens, S staging slots.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig
+
+COMPONENTS = ("window", "c4_kv_resident", "c4_kv_staged", "c4_kv_pool", "c128_kv",
+              "compressor_state", "indexer_keys", "indexer_keys_staged", "indexer_keys_pool",
+              "swap_table")
+# the decode step's meta array: pos, n_prompt, n_window, then one count per ratio
+# (step_kernels.META_RATIOS; tests/test_plan.py checks they agree)
+META_RATIOS = 3
+SCORES_FLOATS = 64 << 20  # prefill's indexer scores workspace: 256 MiB (see ChunkPrefill)
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One allocation: what it is for, where it lives, and its shape."""
+
+    component: str  # COMPONENTS, or "step_workspace" / "prefill_workspace"
+    layer: int  # model layer, or -1 for engine-wide arrays
+    name: str  # the attribute the allocating code stores it as
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    where: str  # "gpu" or "pinned" (host memory the GPU reads)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+# ---- packed entry sizes (spec §6.3; the byte layouts are in kernels/kvpack.py) ----------------
+def kv_entry_bytes(head_dim: int, rope_dim: int) -> int:
+    """A window / compressed kv entry: FP8 nope dims, bf16 rope dims, a scale byte per 64 dims,
+    padded to 8 bytes (V4: 512, 64 -> 584)."""
+    nope = head_dim - rope_dim
+    return -(-(nope + 2 * rope_dim + nope // 64) // 8) * 8
+
+
+def index_key_bytes(index_dim: int) -> int:
+    """An FP4 indexer key: nibbles plus a scale byte per 32 dims, padded to 4 (V4: 128 -> 68)."""
+    return -(-(index_dim // 2 + index_dim // 32) // 4) * 4
+
+
+# ---- the KV caches ------------------------------------------------------------------------------
+def layer_specs(cfg: ModelConfig, i: int, capacity: int, swap: bool = False,
+                swap_keys: bool = False) -> list[ArraySpec]:
+    """The GPU arrays of layer i's LayerCache (``swap``: without the CSA layers' ``comp``;
+    ``swap_keys``: without its indexer keys either — they live in the swap's key pool)."""
+    K, r, csa = cfg.head_dim, cfg.ratio(i), cfg.is_csa(i)
+    kvb = kv_entry_bytes(K, cfg.rope_dim)
+    u8, f32 = np.dtype(np.uint8), np.dtype(np.float32)
+
+    def a(component, name, shape, dtype):
+        return ArraySpec(component, i, name, tuple(shape), dtype, "gpu")
+    specs = [a("window", "window", (cfg.window, kvb), u8)]
+    if r:
+        n = max(1, capacity // r)
+        if not (csa and swap):
+            specs.append(a("c4_kv_resident" if csa else "c128_kv", "comp", (n, kvb), u8))
+        rows, width = (2 * r if csa else r), cfg.coff(i) * K
+        specs += [a("compressor_state", "state_kv", (rows, width), f32),
+                  a("compressor_state", "state_score", (rows, width), f32)]
+    if csa:
+        DI = cfg.index_dim
+        if not (swap and swap_keys):
+            specs.append(a("indexer_keys", "index_keys",
+                           (max(1, capacity // r), index_key_bytes(DI)), u8))
+        specs += [a("compressor_state", "index_kv", (2 * r, 2 * DI), f32),
+                  a("compressor_state", "index_score", (2 * r, 2 * DI), f32)]
+    return specs
+
+
+def cache_layout(cfg: ModelConfig, capacity: int, gpu_chunks: int | None = None,
+                 key_layers=()) -> list[ArraySpec]:
+    """Every KV-cache array of an engine for ``capacity`` tokens: each layer's LayerCache, and
+    with KV swap (``gpu_chunks`` staging slots; ``key_layers`` the CSA layers whose indexer
+    keys are swapped too) the engine-wide arrays of ``swap_specs``."""
+    swap = gpu_chunks is not None
+    keys = set(key_layers) if swap else set()
+    specs = [s for i in range(cfg.n_layers)
+             for s in layer_specs(cfg, i, capacity, swap, i in keys)]
+    if swap:
+        specs += swap_specs(cfg, capacity, gpu_chunks, key_layers)
+    return specs
+
+
+def swap_specs(cfg: ModelConfig, capacity: int, gpu_chunks: int, key_layers=()
+               ) -> list[ArraySpec]:
+    """The KV swap's own arrays (engine/kvswap.py allocates exactly these, by name): the pinned
+    pools of every CSA layer's entries and of ``key_layers``' indexer keys, their GPU staging
+    (``gpu_chunks`` slots), the slot LUT and the step's slot-indexed scratch."""
+    n_csa = sum(cfg.is_csa(i) for i in range(cfg.n_layers))
+    N, S, L = max(1, capacity // 4), gpu_chunks, n_csa
+    kvb = kv_entry_bytes(cfg.head_dim, cfg.rope_dim)
+    u8, i32, f32 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.float32)
+
+    def a(component, name, shape, dtype, where="gpu"):
+        return ArraySpec(component, -1, name, tuple(shape), dtype, where)
+    specs = [a("c4_kv_staged", "staging", (L, S, kvb), u8),
+             a("c4_kv_pool", "pool", (L, N, kvb), u8, "pinned"),
+             a("swap_table", "lut", (N,), i32), a("swap_table", "sel_slots", (cfg.index_topk,), i32)]
+    if key_layers:
+        kb = index_key_bytes(cfg.index_dim)
+        specs += [a("indexer_keys_staged", "key_staging", (len(key_layers), S, kb), u8),
+                  a("indexer_keys_pool", "key_pool", (len(key_layers), N, kb), u8, "pinned"),
+                  a("swap_table", "slot_scores", (S,), f32), a("swap_table", "n_slots", (1,), i32)]
+    return specs
+
+
+# ---- workspaces ---------------------------------------------------------------------------------
+def compressed_ratios(cfg: ModelConfig) -> list[int]:
+    """The distinct compression ratios, ascending (one meta count each)."""
+    return sorted({cfg.ratio(i) for i in range(cfg.n_layers)} - {0})
+
+
+def compressor_widths(cfg: ModelConfig) -> list[int]:
+    """The distinct compressor input widths coff·K (one pair of input buffers each)."""
+    return sorted({cfg.coff(i) * cfg.head_dim for i in range(cfg.n_layers) if cfg.ratio(i)})
+
+
+class _Specs(list):
+    """Engine-wide GPU arrays of one component, appended as ``add(name, *shape, dtype=f32)``."""
+
+    def __init__(self, component: str):
+        super().__init__()
+        self.component = component
+
+    def add(self, name: str, *shape: int, dtype=np.float32) -> None:
+        self.append(ArraySpec(self.component, -1, name, tuple(int(x) for x in shape),
+                              np.dtype(dtype), "gpu"))
+
+
+def moe_scratch_specs(cfg: ModelConfig) -> list[ArraySpec]:
+    """kernels/moe.py MoEScratch's arrays (it allocates them itself; DecodeEngine checks that
+    their bytes equal these): k routed rows, then row k for the shared expert."""
+    D, F, E, k = cfg.dim, cfg.moe_dim, cfg.n_experts, cfg.n_experts_used
+    s = _Specs("step_workspace")
+    s.add("moe.logits", 1, E)
+    s.add("moe.ids", 1, k, dtype=np.int32)
+    s.add("moe.w_ext", k + 1)
+    s.add("moe.x_rep", k, D)
+    for n in ("gate", "up"):
+        s.add(f"moe.{n}", k + 1, F)
+    s.add("moe.gate_up", k + 1, 2 * F)
+    s.add("moe.h", k + 1, F)
+    s.add("moe.down", k + 1, D)
+    s.add("moe.zero", 1, D)
+    return list(s)
+
+
+def step_buffer_specs(cfg: ModelConfig, capacity: int) -> list[ArraySpec]:
+    """The decode step's buffers (DecodeEngine._alloc_step_buffers allocates the non-``moe.``
+    ones from this list, by name), then MoEScratch's. A pair is ``name.0`` / ``name.1``."""
+    D, HC, H, K = cfg.dim, cfg.hc_mult, cfg.n_heads, cfg.head_dim
+    HI, DI = cfg.index_heads, cfg.index_dim
+    s = _Specs("step_workspace")
+    i32, u8 = np.int32, np.uint8
+    ratios = compressed_ratios(cfg)
+    s.add("meta", META_RATIOS + max(1, len(ratios)), dtype=i32)
+    s.add("ids", capacity + 1, dtype=i32)
+    s.add("ratio_arr", max(1, len(ratios)), dtype=i32)
+    s.add("uniforms", max(1, capacity))
+    s.add("token", 1, dtype=i32)
+    s.add("next_token", 1, dtype=i32)
+    s.add("u", 1)
+    s.add("e", 1, D)
+    for j in (0, 1):  # HC streams, ping-pong between sublayers
+        s.add(f"X.{j}", 1, HC, D)
+    s.add("u_in", 1, D)
+    s.add("u_norm", 1, D)
+    s.add("post", 1, HC)
+    s.add("comb", 1, HC, HC)
+    s.add("cq", 1, cfg.q_rank)
+    s.add("cq_norm", 1, cfg.q_rank)
+    s.add("q", 1, H, K)
+    s.add("kv", 1, K)
+    s.add("kv_row", 1, kv_entry_bytes(K, cfg.rope_dim), dtype=u8)
+    for w in compressor_widths(cfg):
+        for j in (0, 1):
+            s.add(f"comp_in.{w}.{j}", 1, w)
+    for j in (0, 1):
+        s.add(f"idx_in.{j}", 1, 2 * DI)
+    s.add("qi", 1, HI, DI)
+    s.add("qi_rot", 1, HI, DI)
+    s.add("idx_w", 1, HI)
+    s.add("scores", max(1, capacity // 4))
+    s.add("sel", cfg.index_topk, dtype=i32)
+    s.add("no_sel", 1, dtype=i32)
+    s.add("no_comp", 1, kv_entry_bytes(K, cfg.rope_dim), dtype=u8)
+    s.add("zero_count", 1, dtype=i32)
+    s.add("ones", max(K, D))  # the weightless norm's weight
+    s.add("o", 1, H, K)
+    s.add("y", cfg.o_groups, cfg.o_rank)
+    s.add("f", 1, D)
+    s.add("head_u", 1, D)
+    s.add("head_norm", 1, D)
+    s.add("logits", 1, cfg.vocab)
+    return list(s) + moe_scratch_specs(cfg)
+
+
+def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[ArraySpec]:
+    """ChunkPrefill's buffers for chunks of up to ``chunk`` tokens (allocated from this list by
+    name, on the first prefill; a shorter chunk takes views [:T])."""
+    T = int(chunk)
+    D, HC, H, K, G = cfg.dim, cfg.hc_mult, cfg.n_heads, cfg.head_dim, cfg.o_groups
+    HI, DI, k, F = cfg.index_heads, cfg.index_dim, cfg.n_experts_used, cfg.moe_dim
+    s = _Specs("prefill_workspace")
+    i32 = np.int32
+    ratios = compressed_ratios(cfg)
+    s.add("table", 1 + (1 + len(ratios)) * T, dtype=i32)  # p0, pos[T], visible counts per ratio
+    s.add("e", T, D)
+    for j in (0, 1):
+        s.add(f"X.{j}", T, HC, D)
+    s.add("u_in", T, D)
+    s.add("u", T, D)
+    s.add("post", T, HC)
+    s.add("comb", T, HC, HC)
+    s.add("cq", T, cfg.q_rank)
+    s.add("q", T, H, K)
+    s.add("kv", T, K)
+    s.add("kv_rows", T, kv_entry_bytes(K, cfg.rope_dim), dtype=np.uint8)
+    for w in compressor_widths(cfg):
+        for j in (0, 1):
+            s.add(f"comp_in.{w}.{j}", T, w)
+    for r in ratios:
+        s.add(f"comp_scratch.{r}", T // r + 1, K)  # entries a chunk can complete
+    for j in (0, 1):
+        s.add(f"idx_in.{j}", T, 2 * DI)
+    s.add("idx_scratch", T // 4 + 1, DI)
+    s.add("qi", T, HI, DI)
+    s.add("qi_rot", T, HI, DI)
+    s.add("idx_w", T, HI)
+    # [rows, visible keys] per scoring pass; bounded, so a long context scores a chunk's tokens
+    # in several passes rather than hold T x ctx/4 floats
+    s.add("scores", min(T * max(1, capacity // 4), SCORES_FLOATS))
+    s.add("sel", T, cfg.index_topk, dtype=i32)
+    s.add("no_sel", T, 1, dtype=i32)
+    s.add("zeros_T", T, dtype=i32)
+    s.add("ones_T", T)
+    s.add("o", T, H, K)
+    s.add("o_groups", G, T, H // G * K)
+    s.add("y_groups", G, T, cfg.o_rank)
+    s.add("y", T, G, cfg.o_rank)
+    s.add("f", T, D)
+    s.add("router", T, cfg.n_experts)
+    s.add("route_w", T, k)
+    s.add("route_ids", T, k, dtype=i32)
+    s.add("x_rep", T * k, D)
+    s.add("gate_up", T * k, 2 * F)
+    s.add("h", T * k, F)
+    s.add("down", T * k, D)
+    s.add("sh_gate_up", T, 2 * F)
+    s.add("sh_h", T, F)
+    s.add("sh_down", T, D)
+    return list(s)
+
+
+def total_bytes(specs: list[ArraySpec]) -> int:
+    return sum(s.nbytes for s in specs)
+
+
+def step_buffer_bytes(cfg: ModelConfig, capacity: int) -> int:
+    """Bytes of the decode step's buffers (DecodeEngine checks its allocation against this)."""
+    return total_bytes(step_buffer_specs(cfg, capacity))
+
+
+def prefill_buffer_bytes(cfg: ModelConfig, capacity: int, chunk: int) -> int:
+    """Bytes of the chunked prefill's buffers (ChunkPrefill.nbytes)."""
+    return total_bytes(prefill_buffer_specs(cfg, capacity, chunk))
