@@ -234,20 +234,17 @@ class Model:
         if kv_swap is None or not kv_swap.kv_swap:
             return None
         from .kvswap.config import plan_swap, swap_line
-        from .engine.kvswap import MIB, pinned_pool_bytes
+        from .engine.kvswap import MIB, checked_pinned_bytes
 
         if self.device != "cuda":
             raise InputError("--kv-swap: stages the selected chunks in GPU memory; it needs "
                              "--device cuda")
         plan = plan_swap(kv_swap, self.config, ctx, memory)
-        need = pinned_pool_bytes(self.config, ctx, plan.key_layers)
-        if plan.enabled and need > kv_swap.pinned_mib * MIB:  # before any allocation
-            raise InputError(f"KV swap pinned cache exceeds cap: required_mib={need / MIB:.1f} "
-                             f"cap_mib={kv_swap.pinned_mib} (raise --pinned-mib or lower --ctx)")
+        pinned = 0  # checked before anything is allocated
+        if plan.enabled:
+            pinned = checked_pinned_bytes(self.config, ctx, plan.key_layers, kv_swap.pinned_mib)
         if log is not None and kv_swap.mem_profile:
-            pinned = pinned_pool_bytes(self.config, ctx, plan.key_layers) / MIB \
-                if plan.enabled else 0.0
-            log(swap_line(kv_swap, plan, pinned))
+            log(swap_line(kv_swap, plan, pinned / MIB))
         return plan
 
     def memory_indexer(self, selection, checkpoint: str | None = None):

@@ -138,3 +138,14 @@ def test_swap_equals_all_resident_with_validation(micro_path):
     eng = gpu._engine
     assert eng.swap is not None and all(c.comp is None for i, c in enumerate(eng.caches)
                                         if gpu.config.is_csa(i))
+
+
+def test_pinned_cap_is_checked_before_allocation():
+    from pocketfm.engine.kvswap import MIB, checked_pinned_bytes, pinned_pool_bytes
+
+    cfg = tiny()
+    need = pinned_pool_bytes(cfg, 1 << 20, (3,))
+    assert checked_pinned_bytes(cfg, 1 << 20, (3,), need // MIB + 1) == need
+    with pytest.raises(InputError, match=r"KV swap pinned cache exceeds cap: required_mib=\S+ "
+                                         r"cap_mib=1 "):
+        checked_pinned_bytes(cfg, 1 << 20, (3,), 1)

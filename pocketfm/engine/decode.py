@@ -92,10 +92,10 @@ class DecodeEngine:
 
     def __init__(self, cfg: ModelConfig, weights, capacity: int, qat: bool = True,
                  stream=None, progress=None, swap=None):
-        """``swap``: a kvswap.config.SwapPlanConfig with ``enabled`` (KV swap: the CSA layers'
-        compressed KV in a pinned host pool, the selected chunks in GPU staging slots), and
-        ``swap_cap_mib`` / ``validate`` / ``sync`` attributes of its SwapConfig (see
-        engine/kvswap.py); None: every cache on the GPU."""
+        """``swap``: a kvswap.config.SwapPlanConfig (KV swap when ``enabled``: the CSA layers'
+        compressed KV — and the indexer keys of its ``key_layers`` — in a pinned host pool, the
+        selected chunks in ``gpu_chunks`` staging slots; ``cap_mib`` / ``validate`` / ``sync``
+        as engine/kvswap.py reads them); None: every cache on the GPU."""
         if not qat:
             raise InputError("--no-qat: the CUDA backend stores the packed FP8/FP4 caches, which "
                              "need QAT on; run --no-qat with --device cpu")

@@ -53,6 +53,15 @@ def pinned_pool_bytes(cfg, capacity: int, key_layers=()) -> int:
     return sum(a.nbytes for a in swap_specs(cfg, capacity, 1, key_layers) if a.where == "pinned")
 
 
+def checked_pinned_bytes(cfg, capacity: int, key_layers, cap_mib: int) -> int:
+    """The pool's bytes, or the seed's error when they exceed the ``--pinned-mib`` cap."""
+    need = pinned_pool_bytes(cfg, capacity, key_layers)
+    if need > cap_mib * MIB:
+        raise InputError(f"KV swap pinned cache exceeds cap: required_mib={need / MIB:.1f} "
+                         f"cap_mib={cap_mib} (raise --pinned-mib or lower --ctx)")
+    return need
+
+
 class EngineSwap:
     """The swap state of one DecodeEngine (built with the engine: fixed addresses for the graph)."""
 
@@ -64,16 +73,12 @@ class EngineSwap:
         self.rank = {layer: r for r, layer in enumerate(self.layers)}
         self.N = N = max(1, eng.capacity // 4)
         self.S = S = gpu_chunks
-        self.B = B = kv_entry_bytes(cfg.head_dim, cfg.rope_dim)
+        self.B = kv_entry_bytes(cfg.head_dim, cfg.rope_dim)
         self.key_layers = sorted(key_layers)
         self.krank = {layer: r for r, layer in enumerate(self.key_layers)}
         if not set(self.krank) <= set(self.rank):
             raise ValueError(f"EngineSwap: key layers {self.key_layers} must be CSA layers")
-        need = pinned_pool_bytes(cfg, eng.capacity, self.key_layers)
-        if need > cap_mib * MIB:
-            raise InputError(f"KV swap pinned cache exceeds cap: required_mib={need / MIB:.1f} "
-                             f"cap_mib={cap_mib} (raise --pinned-mib or lower --ctx)")
-        self.pinned_bytes = need
+        self.pinned_bytes = checked_pinned_bytes(cfg, eng.capacity, self.key_layers, cap_mib)
         self.key_pool = self.key_staging = self.slot_scores = self.n_slots = None
         for spec in swap_specs(cfg, eng.capacity, S, self.key_layers):  # = pocketfm plan's
             setattr(self, spec.name, cuda.mapped_array(spec.shape, spec.dtype)

@@ -49,7 +49,6 @@ class EngineMemory:
             self.scorer = RetrieverScorer(memory.retriever, memory.freq, self.n4, stream=s)
             self._score(1, 0)  # compile the scorer now, not inside the first decode cycle
         self.global_mode = memory.sel.mode == "global-topk"
-        self.swap_cycles: list[dict] = []  # per cycle: hits / misses / stores / evictions
         if self.global_mode:
             from ..kernels.indexer import topk_workspace
 
@@ -97,7 +96,6 @@ class EngineMemory:
     def reset(self, n_prompt: int) -> None:
         """A new sequence: everything resident until the first boundary."""
         self.memory.start(n_prompt, self.eng.capacity)
-        self.swap_cycles = []
         self._upload(None, 0)
         if self.global_mode:
             self.g_active.copy_to_device(np.zeros(1, np.int32), stream=self.eng.stream)
@@ -129,7 +127,7 @@ class EngineMemory:
     def _upload(self, active, n_commit: int) -> None:
         """The committed set for the next replays (and, with KV swap, its chunks staged)."""
         if self.eng.swap is not None and n_commit > 0:
-            self.swap_cycles.append(self.eng.swap.commit(active, n_commit))
+            self.eng.swap.commit(active, n_commit)
         res = np.ones(self.n4, np.uint8)
         if active is not None:
             res[:n_commit] = active[:n_commit]
