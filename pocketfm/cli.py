@@ -142,20 +142,27 @@ def main():
               help="Oldest chunks always resident.")
 @click.option("--random-ratio", type=float, default=0.10, show_default=True,
               help="--selection random: share of older chunks resampled each cycle.")
+@click.option("--commit-lag", type=click.IntRange(min=0), default=None,
+              help="Decode steps from a cycle's boundary to its set taking effect (the "
+                   "scoring, selection and swap-ins overlap them) [default: 0; with --kv-swap "
+                   "2, or 0 with --kv-swap-sync].")
 @click.option("--stats", is_flag=True, help="Print one line per retriever cycle on stderr.")
 @click.option("--kv-swap", is_flag=True, default=None,
               help="Keep the CSA layers' compressed KV in a pinned host pool and only the "
                    "selected chunks in GPU staging slots (needs --device cuda and a selection; "
                    "env POCKETLLM_GGUF_KV_SWAP).")
 @click.option("--gpu-chunks", type=click.IntRange(min=1), default=None,
-              help="GPU staging slots, shared by all CSA layers [default: the selection's set "
-                   "plus a decode region, at least index_topk].")
+              help="GPU staging slots, shared by all CSA layers [default: twice the "
+                   "selection's set (the running window's and the next, so swap-ins overlap "
+                   "the decode; once with --kv-swap-sync) plus a decode region, at least "
+                   "index_topk].")
 @click.option("--pinned-mib", type=click.IntRange(min=1), default=None,
               help="Cap on the pinned host pool, MiB [default: 16384].")
 @click.option("--kv-swap-validate", "kv_swap_validate", is_flag=True, default=None,
               help="After each swap-in, compare every staged slot byte for byte with the pool.")
 @click.option("--kv-swap-sync", "kv_swap_sync", is_flag=True, default=None,
-              help="Wait for each cycle's copies before the next step (debugging).")
+              help="No overlap: each cycle's copies run at its boundary and the host waits "
+                   "for them (debugging); commit lag 0.")
 @click.option("--kv-swap-test-allow-topk-reduction", "allow_topk_reduction", is_flag=True,
               default=None, help="Allow --gpu-chunks below index_topk (lowers the native "
                                  "top-k to the slot count; small-context tests only).")
@@ -164,8 +171,8 @@ def main():
                    "resident set (native_topk_recall in --json).")
 def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top_p, seed,
         device, no_qat, prefill_chunk, as_json, retriever_path, selection, ensemble, threshold,
-        keep_topk, interval, kmax, kmax_ratio, recency_tail, sink, random_ratio, stats,
-        kv_swap, gpu_chunks, pinned_mib, kv_swap_validate, kv_swap_sync, allow_topk_reduction,
+        keep_topk, interval, kmax, kmax_ratio, recency_tail, sink, random_ratio, commit_lag,
+        stats, kv_swap, gpu_chunks, pinned_mib, kv_swap_validate, kv_swap_sync, allow_topk_reduction,
         recall_diagnostic):
     """Generate text: stream it, then print prompt/generated counts and tok/s.
 
@@ -223,10 +230,14 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
         sel = SelectionConfig(
             mode=selection or "lookahead", ensemble=ensemble, threshold=threshold,
             topk=keep_topk, interval=interval, recency_tail=recency_tail, sink=sink, kmax=kmax,
-            kmax_ratio=kmax_ratio, random_ratio=random_ratio, recall_diagnostic=recall_diagnostic)
+            kmax_ratio=kmax_ratio, random_ratio=random_ratio, recall_diagnostic=recall_diagnostic,
+            commit_lag=commit_lag)
         memory = model.memory_indexer(sel, retriever_path)
         if stats:
             memory.on_cycle = lambda c: click.echo("\n" + format_cycle(c), err=True)
+    elif commit_lag is not None:
+        raise InputError("--commit-lag: only meaningful with a selection (--memory-indexer or "
+                         "--selection)")
     res = model.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          seed=seed, ctx=ctx, chat=chat, prefill_chunk=prefill_chunk,
                          on_token=emit, progress=progress, on_prefill=prefilled,
@@ -315,14 +326,19 @@ def inspect(path, all_keys):
                    "(KMAX pages incl. the recency tail) staged in GPU slots, recommitted every "
                    "--interval steps with --churn of its older pages new.")
 @click.option("--gpu-chunks", type=click.IntRange(min=1), default=None,
-              help="Staging slots with --kv-swap [default: KMAX pages x page + decode region].")
+              help="Staging slots with --kv-swap [default: as run --kv-swap: 2 x KMAX pages x "
+                   "page + decode region; 1 x with --commit-lag 0].")
 @click.option("--interval", type=click.IntRange(min=1), default=64, show_default=True,
               help="Decode steps per retrieval cycle (--kv-swap).")
 @click.option("--churn", type=click.FloatRange(0.0, 1.0), default=0.1, show_default=True,
               help="Share of the set's older pages replaced per cycle (--kv-swap).")
+@click.option("--commit-lag", type=click.IntRange(min=0), default=None,
+              help="Replays between staging a set and its taking effect, overlapped with its "
+                   "copies (--kv-swap) [default: as run --kv-swap, 2; 0: copies at the "
+                   "boundary].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk, kv_swap,
-          gpu_chunks, interval, churn, as_json):
+          gpu_chunks, interval, churn, commit_lag, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -346,20 +362,24 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk
                    nl=done == total, err=True)
     slots = 0
     if kv_swap:
-        from .kvswap.config import decode_region
-        from .memory import RetrieverGeometry
+        from .kvswap.config import OVERLAP_LAG
+        from .plan import default_swap
 
-        g = RetrieverGeometry.for_model(cfg)
-        slots = gpu_chunks or g.kmax * g.page_size + decode_region(interval)
+        if commit_lag is None:
+            commit_lag = min(OVERLAP_LAG, interval - 1)
+        if commit_lag >= interval:
+            raise InputError(f"--commit-lag {commit_lag}: expected < --interval {interval}")
+        slots = gpu_chunks or default_swap(cfg, interval=interval, lag=commit_lag)[0]
         if ctx // 4 <= slots:
             raise InputError(f"--kv-swap: --ctx {ctx} has {ctx // 4} chunks, not more than the "
                              f"{slots} staging slots: nothing to swap")
         if profile:
             raise InputError("--profile: not with --kv-swap (profile the step without it)")
-    elif gpu_chunks is not None:
-        raise InputError("--gpu-chunks: only meaningful with --kv-swap")
+    elif gpu_chunks is not None or commit_lag is not None:
+        raise InputError(f"--{'gpu-chunks' if gpu_chunks is not None else 'commit-lag'}: only "
+                         "meaningful with --kv-swap")
     r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk,
-                  slots, interval, churn)
+                  slots, interval, churn, commit_lag)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, **r)))
         return
@@ -376,7 +396,8 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk
                    f"{r['swap_pinned_bytes'] / 2**30:.2f} GiB; first commit "
                    f"{r['swap_first_commit_ms']:.1f} ms, swap-in {r['swap_in_gbs']:.1f} GB/s "
                    f"({r['swap_in_rows']} chunks in {r['swap_in_ms']:.2f} ms); step graph "
-                   f"{r['swap_step_ms']:.2f} ms; cycles every {interval} steps (churn {churn})")
+                   f"{r['swap_step_ms']:.2f} ms; cycles every {interval} steps (churn {churn}), "
+                   f"each set in force {commit_lag} replays after its boundary")
         from .engine.kvswap import stats_line
 
         click.echo(stats_line(st))

@@ -196,8 +196,15 @@ class Model:
             raise InputError(f"prompt: {len(ids)} tokens is longer than --ctx {ctx}")
         rng = np.random.default_rng(seed)
         swap = self._plan_swap(kv_swap, ctx, memory, log)
+        if memory is not None:  # the KV swap's overlap may delay each set (memory/runtime.py)
+            memory.lag = swap.lag if swap is not None else memory.sel.commit_lag or 0
         if self.device == "cuda":
             eng = self.engine(ctx, progress, swap)
+            if swap is not None and log is not None and kv_swap.mem_profile:
+                from .engine.kvswap import memory_lines
+
+                for line in memory_lines(eng, ctx):
+                    log(line)
             r = eng.generate(ids, max_tokens, temperature, top_p,
                              draw_uniform(rng, max_tokens) if temperature > 0 else None,
                              self.tokenizer.eos_id if stop_at_eos else None, on_token,
@@ -242,7 +249,8 @@ class Model:
         plan = plan_swap(kv_swap, self.config, ctx, memory)
         pinned = 0  # checked before anything is allocated
         if plan.enabled:
-            pinned = checked_pinned_bytes(self.config, ctx, plan.key_layers, kv_swap.pinned_mib)
+            pinned = checked_pinned_bytes(self.config, ctx, plan.gpu_chunks, plan.key_layers,
+                                          kv_swap.pinned_mib)
         if log is not None and kv_swap.mem_profile:
             log(swap_line(kv_swap, plan, pinned / MIB))
         return plan

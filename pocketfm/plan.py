@@ -54,13 +54,15 @@ def retriever_bytes(path: str, cfg: ModelConfig) -> int:
     return sum(DeviceRetrieverLayer.planned_bytes(r) for r in load_retriever(path, cfg).layers)
 
 
-def default_swap(cfg: ModelConfig, retriever_path: str | None = None,
-                 interval: int = 64) -> tuple[int, tuple[int, ...]]:
-    """(staging slots, swapped-key layers) of a default lookahead run with KV swap: the set's
-    KMAX pages x page chunks plus a decode region (at least index_topk, the seed's guard), and
-    every CSA layer's keys but the retriever targets' (the checkpoint's layers, or the default
-    l10/l12/l20 placement) — what ``run --kv-swap`` does (kvswap/config.py)."""
-    from .kvswap.config import decode_region
+def default_swap(cfg: ModelConfig, retriever_path: str | None = None, interval: int = 64,
+                 lag: int | None = None) -> tuple[int, tuple[int, ...]]:
+    """(staging slots, swapped-key layers) of a default lookahead run with KV swap: room for
+    two sets of KMAX pages x page chunks (the running window's and the next, so that swap-ins
+    overlap the decode; one with ``lag`` 0) plus a decode region, at least index_topk (the
+    seed's guard); and every CSA layer's keys but the retriever targets' (the checkpoint's
+    layers, or the default l10/l12/l20 placement) — what ``run --kv-swap`` does
+    (kvswap/config.py). ``lag`` None: the overlapped default."""
+    from .kvswap.config import OVERLAP_LAG, decode_region, default_slots
     from .memory.checkpoint import RetrieverGeometry, csa_layers, default_clids
 
     g = RetrieverGeometry.for_model(cfg)
@@ -71,7 +73,9 @@ def default_swap(cfg: ModelConfig, retriever_path: str | None = None,
         targets = {r.layer for r in load_retriever(retriever_path, cfg).layers}
     else:
         targets = {csa[c] for c in default_clids(cfg)}
-    slots = max(g.kmax * g.page_size + decode_region(interval), cfg.index_topk)
+    lag = min(OVERLAP_LAG, interval - 1) if lag is None else lag
+    slots = max(default_slots(g.kmax * g.page_size, decode_region(interval, lag), lag > 0),
+                cfg.index_topk)
     return slots, tuple(i for i in csa if i not in targets)
 
 
@@ -132,7 +136,7 @@ def format_plan(plan: dict, model: str) -> str:
                    "in GPU staging slots.")
 @click.option("--gpu-chunks", type=click.IntRange(min=1), default=None,
               help="Staging slots with --kv-swap [default: as run --kv-swap with lookahead: "
-                   "KMAX pages x page chunks + a decode region].")
+                   "2 x KMAX pages x page chunks + a decode region].")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=DEFAULT_PREFILL_CHUNK,
               show_default=True, help="Prompt tokens per prefill chunk (as run).")
 @click.option("--memory-indexer", "retriever_path", type=str, default=None,

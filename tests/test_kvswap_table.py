@@ -205,3 +205,24 @@ def test_plans_replayed_on_bytes_keep_staging_equal_to_the_pool(seed):
         staging[t.slot_of_chunk[new]] = truth[new]
         n_formed += grown
     assert t.counters.stores > 0 and t.counters.evictions > 0
+
+
+def test_misses_into_slots_of_the_running_window_are_late():
+    """A miss may be copied while the last window still runs only into a slot that window
+    cannot read: free, or not used in the last cycle. The others are ``miss_late``."""
+    t = SwapTable(n_slots=6, n_chunks=40)
+    t.prompt_stored(8)
+    plan = t.cycle(np.array([0, 1, 2]), 8, 0)  # cycle 0: nothing runs yet, all early
+    assert plan.miss_late.tolist() == [False] * 3
+    plan = t.cycle(np.array([3, 4]), 8, 0)  # slots 3, 4 were free: early
+    assert plan.miss_slots.tolist() == [3, 4] and plan.miss_late.tolist() == [False] * 2
+    # cycle 2: chunk 4 hits; free slot 5 first, then the LRU slots 0, 1 (last used in cycle 0,
+    # not by the running window of cycle 1): all early
+    plan = t.cycle(np.array([5, 6, 7, 4]), 8, 0)
+    assert plan.miss_slots.tolist() == [5, 0, 1] and not plan.miss_late.any()
+    # cycle 3: chunk 2 (slot 2) and 4 hit; the LRU slot 3 (cycle 1) is early, the next one,
+    # slot 0 (cycle 2: the running window reads chunk 6 there), late
+    plan = t.cycle(np.array([0, 1, 2, 4]), 8, 0)
+    assert plan.miss_chunks.tolist() == [0, 1] and plan.miss_slots.tolist() == [3, 0]
+    assert plan.miss_late.tolist() == [False, True]
+    t.check()

@@ -241,11 +241,13 @@ def _watch(model, ckpt, sel):
     return mem, res
 
 
-def test_lookahead_cadence_commit_and_two_level(model, ckpt):
-    sel = SelectionConfig(interval=8, recall_diagnostic=True)
+@pytest.mark.parametrize("lag", [0, 2])
+def test_lookahead_cadence_commit_and_two_level(model, ckpt, lag):
+    sel = SelectionConfig(interval=8, recall_diagnostic=True, commit_lag=lag)
     mem, res = _watch(model, ckpt, sel)
     cycles = res.extra["memory_cycles"]
     assert [c["step"] for c in cycles] == [0, 8, 16]
+    assert [c.get("commit_step", c["step"]) for c in cycles] == [lag, 8 + lag, 16 + lag]
     assert [c["position"] for c in cycles] == [700, 708, 716]
     g = mem.retriever.geometry
     assert (mem.page, mem.tail, mem.kmax) == (g.page_size, g.recency_tail, g.kmax) == (4, 32, 24)
@@ -255,14 +257,14 @@ def test_lookahead_cadence_commit_and_two_level(model, ckpt):
         if step is None:
             continue  # the prompt: fully resident
         assert layer in csa_layers(model.config)
-        if step == 0:
+        if step <= lag:
             assert res_mask is None  # fully resident until the first boundary's set applies
             continue
         ids = chosen[chosen >= 0]
         assert len(ids) and res_mask[ids].all()  # Level 2 picks inside the resident set
-        # n -> n+1: the set in force is the one committed at the last boundary BEFORE this
-        # step (step 8 still runs on step 0's set); chunks formed since are resident
-        b = max(c for c in mem.committed if c < step)
+        # n -> n+1: the set in force is the one of the last boundary b with b + lag BEFORE
+        # this step (step 8 + lag still runs on step 0's set); chunks formed since b resident
+        b = max(c for c in mem.committed if c + lag < step)
         committed = mem.committed[b]
         np.testing.assert_array_equal(res_mask[:len(committed)], committed)
         assert res_mask[len(committed):].all()
@@ -426,6 +428,10 @@ def test_make_retriever_then_run_with_it(tiny_q2_path, tmp_path):
                                                           "cannot read"]),
     (["--selection", "recency", "--threshold", "1.5"], ["--threshold 1.5"]),
     (["--selection", "random", "--random-ratio", "0"], ["--random-ratio"]),
+    (["--selection", "recency", "--interval", "4", "--commit-lag", "4"],
+     ["--commit-lag 4", "< --interval 4"]),
+    (["--commit-lag", "1"], ["--commit-lag", "only meaningful with a selection"]),
+    (["--selection", "global-topk", "--commit-lag", "1"], ["--commit-lag 1", "global-topk"]),
 ])
 def test_run_memory_flags_bad_input(tiny_q2_path, args, needles):
     code, _, err = cli("run", "--model", tiny_q2_path, "--device", "cpu", "--max-tokens", "2",

@@ -141,7 +141,8 @@ def test_swap_engine_equals_the_plan(tiny_q2_path):
     assert eng.caches[1].index_keys is not None and eng.caches[3].index_keys is None
     assert eng.cache_bytes == plan["gpu_kv_bytes"]
     assert eng.swap.pinned_bytes == plan["pinned_bytes"] == int(
-        eng.swap.pool.nbytes + eng.swap.key_pool.nbytes)
+        eng.swap.pool.nbytes + eng.swap.key_pool.nbytes + eng.swap.lut_host.nbytes
+        + eng.swap.idx_host.nbytes)
 
 
 def test_packed_matrix_bytes_scale_with_rows():
@@ -181,7 +182,9 @@ def test_flash_at_1m_with_and_without_swap():
     pool = n_csa * N * 584
     assert n_csa == 21 and pool == 21 * 262144 * 584
     slots, key_layers = default_swap(cfg)
-    assert slots == 96 * 64 + 17 and len(key_layers) == n_csa - 3  # 3 retriever targets
+    # two sets of KMAX 96 pages (the running window's, the next) + the region of 64 + 2 steps
+    assert slots == 2 * 96 * 64 + 18 and len(key_layers) == n_csa - 3  # 3 retriever targets
+    assert default_swap(cfg, lag=0)[0] == 96 * 64 + 17  # no overlap: one set
     code, out, err = cli("plan", "--preset", "flash", "--ctx", "1048576", "--kv-swap", "--json")
     assert code == 0, err
     p = json.loads(out)
@@ -193,7 +196,9 @@ def test_flash_at_1m_with_and_without_swap():
     key_pool = (n_csa - 3) * N * 68
     assert c["c4_kv_pool"]["pinned_bytes"] == pool
     assert c["indexer_keys_pool"]["pinned_bytes"] == key_pool
-    assert p["pinned_bytes"] == pool + key_pool < 3.6e9  # the issue's bound
+    uploads = c["swap_table"]["pinned_bytes"]  # the LUT's and the copy lists' sources
+    assert uploads == N * 4 + 4 * 2 * slots * 4
+    assert p["pinned_bytes"] == pool + key_pool + uploads < 3.6e9  # the issue's bound
     assert c["c4_kv_staged"]["gpu_bytes"] == n_csa * slots * 584
     assert c["indexer_keys_staged"]["gpu_bytes"] == (n_csa - 3) * slots * 68
     assert c["c4_kv_resident"]["gpu_bytes"] == 0

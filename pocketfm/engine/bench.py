@@ -223,12 +223,13 @@ def lookahead_like_set(n: int, page: int, kmax: int, tail: int, rng, keep=None,
 
 
 def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn: float,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, lag: int = 0) -> dict:
     """Decode with the KV swapped, after a ``fill_caches``: a lookahead-shaped set (flash's
     geometry: KMAX 96 pages of 64 chunks, the 2048-chunk tail) committed every ``interval``
-    steps, ``churn`` of its older pages new each cycle. Times the first commit (every chunk a
-    miss), the gather kernel alone (swap-in GB/s), the step graph, and the whole loop with its
-    cycles (the tok/s a run would see)."""
+    steps, ``churn`` of its older pages new each cycle, in force ``lag`` replays after it is
+    staged (engine/memory.py: the copies overlap those replays). Times the first commit (every
+    chunk a miss), the gather kernel alone (swap-in GB/s), the step graph, and the whole loop
+    with its cycles (the tok/s a run would see)."""
     from ..kernels.kvgather import gather_to_slots
     from ..memory import MemoryIndexer, RetrieverGeometry, SelectionConfig
     from ..model import Forward
@@ -245,7 +246,7 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
     active, pages = lookahead_like_set(n, g.page_size, g.kmax, g.recency_tail, rng)
     s.synchronize()
     t0 = time.perf_counter()
-    eng.mem._upload(active, n)
+    eng.mem.commit(active, n, ctx)
     s.synchronize()
     first_commit_ms = (time.perf_counter() - t0) * 1e3
     chunks, slots = sw.table.staged()
@@ -254,13 +255,15 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
     moved = len(chunks) * len(sw.layers) * sw.B
     steps = 0  # decode steps run since the fill: the context is ctx + steps tokens
 
-    def commit():
+    def stage():
+        """A boundary: the next set staged on the cycle stream (host ms, resident chunks)."""
         nonlocal pages
         n = min((ctx + steps) // 4, sw.N)  # chunks formed so far
         active, pages = lookahead_like_set(n, g.page_size, g.kmax, g.recency_tail, rng,
                                            keep=pages, churn=churn)
         c0 = time.perf_counter()
-        eng.mem._upload(active, n)
+        eng.mem.mark_boundary()
+        eng.mem.stage(active, n)
         return (time.perf_counter() - c0) * 1e3, int(active.sum())
 
     eng.step()  # eager: the staged step's kernels compile
@@ -272,13 +275,22 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
     cycle_ms, done = [], 0
     s.synchronize()
     t0 = time.perf_counter()
-    while done < tokens:  # windows of ``interval`` replays, each after a commit (host time)
-        ms, resident = commit()
-        cycle_ms.append(ms)
-        for _ in range(min(interval, tokens - done)):
+    def switch() -> float:
+        c0 = time.perf_counter()
+        eng.mem.switch(ctx + steps)
+        return (time.perf_counter() - c0) * 1e3
+
+    while done < tokens:  # windows of ``interval`` replays; a set staged at each boundary
+        ms, resident = stage()  # in force after ``lag`` more replays, as in a run
+        window = min(interval, tokens - done)
+        for i in range(window):
+            if i == lag:
+                ms += switch()
             eng.step()
-        steps += min(interval, tokens - done)
-        done += min(interval, tokens - done)
+            steps, done = steps + 1, done + 1
+        if window <= lag:  # a short last window: the set still takes effect
+            ms += switch()
+        cycle_ms.append(ms)
     s.synchronize()
     loop_s = time.perf_counter() - t0
     st = sw.stats()
@@ -292,22 +304,24 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
               progress=None, profile: bool = False, prefill: int = 0,
               prefill_chunk: int = 512, kv_swap: int = 0, interval: int = 64,
-              churn: float = 0.1) -> dict:
+              churn: float = 0.1, lag: int | None = None) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
-    the KV swapped through K staging slots (``bench_kv_swap``)."""
+    the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
+    replays after its boundary (None: as ``run --kv-swap``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
     swap = None
     if kv_swap:
-        from ..kvswap.config import SwapPlanConfig, decode_region
+        from ..kvswap.config import OVERLAP_LAG, SwapPlanConfig, decode_region
         from ..memory.checkpoint import csa_layers, default_clids
 
+        lag = min(OVERLAP_LAG, interval - 1) if lag is None else lag
         csa = csa_layers(cfg)  # a lookahead run's target layers keep their keys on the GPU
         targets = {csa[c] for c in default_clids(cfg)}
-        swap = SwapPlanConfig(True, kv_swap, cfg.index_topk, decode_region(interval),
-                              cap_mib=1 << 30,
+        swap = SwapPlanConfig(True, kv_swap, cfg.index_topk, decode_region(interval, lag),
+                              cap_mib=1 << 30, lag=lag,
                               key_layers=tuple(i for i in csa if i not in targets))
     eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream),
                        ctx + prefill + tokens + 3 + (interval if kv_swap else 0),
@@ -317,7 +331,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     pre = time_prefill(eng, ctx, prefill, prefill_chunk, seed) if prefill else {}
     ctx += prefill
     if kv_swap:
-        r = bench_kv_swap(eng, ctx, tokens, interval, churn, seed)
+        r = bench_kv_swap(eng, ctx, tokens, interval, churn, seed, lag)
         free1, _ = cuda.current_context().get_memory_info()
         used = None if device.SIMULATOR else int(free0 - free1)
         nb = bytes_per_token(eng, ctx)

@@ -318,6 +318,8 @@ class DecodeEngine:
         if not 0 < n <= self.capacity:
             raise InputError(f"prompt: {n} tokens, the engine holds 1..{self.capacity}")
         s = self.stream
+        if self.mem is not None:  # a cycle staged at the end of the last sequence
+            self.mem.drain()
         for c in self.caches:
             c.reset(s)
         if self.swap is not None:
@@ -340,6 +342,8 @@ class DecodeEngine:
         from .memory import EngineMemory
 
         if (self.mem and self.mem.memory) is not memory:
+            if self.mem is not None:
+                self.mem.drain()
             self.mem = EngineMemory(self, memory) if memory is not None else None
             self._graph = self._warm = None
 

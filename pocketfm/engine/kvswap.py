@@ -24,10 +24,17 @@ Who writes what:
     (``scores_by_chunk``) first, so the top-k and its tie rule are those of the run without
     swap: the same tokens.
     The step never touches the host: the decode graph stays one graph;
-  * at each cycle boundary, between two replays: one kernel stores the chunks formed in the
-    last window (staging -> pool), one kernel gathers the misses of all layers (pool ->
-    staging), the LUT is uploaded. Same stream, so the next replay sees them.
-``validate`` byte-compares every staged slot with the pool after each swap-in.
+  * a cycle is staged on the cycle stream while the last window's steps still run
+    (engine/memory.py): one kernel stores the chunks formed up to the boundary (staging ->
+    pool; the copy stream has waited for the boundary step), one kernel gathers the misses of
+    all layers whose slots the running window cannot read (pool -> staging), and the new LUT
+    goes to ``lut_next``. When the set takes effect (``switch``, on the decode stream, after
+    it has waited for the staging): the misses whose slots the last window still read are
+    gathered, ``lut_next`` is copied over ``lut``. The running window never sees a slot
+    change under it: it reads only slots stamped in the last cycle (kvswap/table.py).
+  * the first switch leaves the direct mode: the chunks that the direct steps formed after the
+    boundary (the lag) went to the pool; they are gathered into their reserved slots.
+``validate`` byte-compares every staged slot with the pool after each switch (a host sync).
 """
 from __future__ import annotations
 
@@ -37,25 +44,29 @@ import numpy as np
 from numba import cuda
 
 from ..errors import InputError
+from ..kernels import device
 from ..kernels.kvgather import (gather_to_slots, mapped_device_view, store_to_pool,
                                 validate_staged)
 from ..kernels.kvpack import index_key_bytes, kv_entry_bytes
 from ..kvswap.table import SwapTable
 from . import step_kernels as sk
-from .layout import swap_specs
+from .layout import COPY_KINDS, swap_specs
 
 MIB = 1 << 20
+MAPPED = ("pool", "key_pool")  # pinned arrays the kernels address (the others are copy sources)
 
 
-def pinned_pool_bytes(cfg, capacity: int, key_layers=()) -> int:
-    """Bytes of the host cold pool: every CSA layer's packed entries, and the indexer keys of
-    ``key_layers``, for every chunk (layout.swap_specs' pinned arrays)."""
-    return sum(a.nbytes for a in swap_specs(cfg, capacity, 1, key_layers) if a.where == "pinned")
+def pinned_pool_bytes(cfg, capacity: int, gpu_chunks: int, key_layers=()) -> int:
+    """Pinned host bytes of a swap: the cold pool (every CSA layer's packed entries, and the
+    indexer keys of ``key_layers``, for every chunk) and the pinned sources of the cycle's
+    uploads (layout.swap_specs' pinned arrays)."""
+    return sum(a.nbytes for a in swap_specs(cfg, capacity, gpu_chunks, key_layers)
+               if a.where == "pinned")
 
 
-def checked_pinned_bytes(cfg, capacity: int, key_layers, cap_mib: int) -> int:
-    """The pool's bytes, or the seed's error when they exceed the ``--pinned-mib`` cap."""
-    need = pinned_pool_bytes(cfg, capacity, key_layers)
+def checked_pinned_bytes(cfg, capacity: int, gpu_chunks: int, key_layers, cap_mib: int) -> int:
+    """The pinned bytes, or the seed's error when they exceed the ``--pinned-mib`` cap."""
+    need = pinned_pool_bytes(cfg, capacity, gpu_chunks, key_layers)
     if need > cap_mib * MIB:
         raise InputError(f"KV swap pinned cache exceeds cap: required_mib={need / MIB:.1f} "
                          f"cap_mib={cap_mib} (raise --pinned-mib or lower --ctx)")
@@ -78,13 +89,21 @@ class EngineSwap:
         self.krank = {layer: r for r, layer in enumerate(self.key_layers)}
         if not set(self.krank) <= set(self.rank):
             raise ValueError(f"EngineSwap: key layers {self.key_layers} must be CSA layers")
-        self.pinned_bytes = checked_pinned_bytes(cfg, eng.capacity, self.key_layers, cap_mib)
+        self.pinned_bytes = checked_pinned_bytes(cfg, eng.capacity, S, self.key_layers,
+                                                 cap_mib)
         self.key_pool = self.key_staging = self.slot_scores = self.n_slots = None
-        for spec in swap_specs(cfg, eng.capacity, S, self.key_layers):  # = pocketfm plan's
-            setattr(self, spec.name, cuda.mapped_array(spec.shape, spec.dtype)
-                    if spec.where == "pinned" else
-                    cuda.device_array(spec.shape, spec.dtype, stream=s))
+        self.specs = swap_specs(cfg, eng.capacity, S, self.key_layers)  # = pocketfm plan's
+        for spec in self.specs:  # the pools mapped (the GPU reads them), upload sources pinned
+            setattr(self, spec.name, cuda.device_array(spec.shape, spec.dtype, stream=s)
+                    if spec.where == "gpu" else cuda.mapped_array(spec.shape, spec.dtype)
+                    if spec.name in MAPPED else cuda.pinned_array(spec.shape, spec.dtype))
         self.lut.copy_to_device(np.full(N, -1, np.int32), stream=s)
+        # lut_next: the staged cycle's LUT, from lut_host (pinned; memory.py syncs its reuse).
+        # idx_host/idx_dev: the (chunks, slots) lists of a cycle's copies, a row per kind
+        # (COPY_KINDS). Uploads go from pinned memory: from pageable memory the driver copies
+        # synchronously, so the host would wait for the stream (the decode stream's queued
+        # replays, or the cycle stream's wait for the boundary step).
+        self.switched = None if device.SIMULATOR else cuda.event(timing=False)
         self.pool_dev = mapped_device_view(self.pool)
         self.pool_views = {layer: mapped_device_view(self.pool, r)
                            for layer, r in self.rank.items()}
@@ -97,14 +116,13 @@ class EngineSwap:
         self.staged = False  # the step reads staging (True) or the pool (direct)
         self.table = SwapTable(S, N)
         self.direct_stores = 0  # chunks the direct steps wrote into the pool (counted as stores)
+        self.pending = None  # the staged cycle's late work, until its switch
         self.cycle_ms: list[float] = []
-        self.validated = 0
+        self.late = self.validated = 0
 
     @property
     def gpu_bytes(self) -> int:
-        return int(sum(a.nbytes for a in (self.staging, self.key_staging, self.lut,
-                                          self.sel_slots, self.slot_scores, self.n_slots)
-                       if a is not None))
+        return int(sum(getattr(self, a.name).nbytes for a in self.specs if a.where == "gpu"))
 
     # ---- inside the step ------------------------------------------------------------------------
     def compressor_target(self, layer: int):
@@ -146,39 +164,78 @@ class EngineSwap:
         self.staged = False
         self.table = SwapTable(self.S, self.N)
         self.direct_stores = 0
-        self.cycle_ms, self.validated = [], 0
+        self.pending = None
+        self.cycle_ms, self.late, self.validated = [], 0, 0
 
-    def commit(self, active: np.ndarray | None, n_formed: int) -> dict:
-        """A cycle boundary: stage the committed set ``active`` (resident[n_formed] bool, chunk
-        ids < n_formed) plus the next window's decode region. Returns the cycle's swap counts."""
+    def stage(self, active: np.ndarray | None, n_formed: int, c) -> None:
+        """Stage the committed set ``active`` (resident[n_formed] bool, chunk ids < n_formed;
+        None: all) plus the next window's decode region, on stream ``c`` (which has waited
+        for the boundary step): stores, early swap-ins, ``lut_next``. ``switch`` finishes."""
         t0 = time.perf_counter()
-        s, t = self.eng.stream, self.table
+        t = self.table
         if not self.staged:  # everything so far was written straight into the pool
             self.direct_stores = n_formed
             t.prompt_stored(n_formed)
         ids = (np.flatnonzero(active[:n_formed]) if active is not None
                else np.arange(n_formed)).astype(np.int32)
         plan = t.cycle(ids, n_formed, self.region)
-        keys = bool(self.key_layers)
-        if len(plan.store_chunks):  # first: the slots may be reused by the gather below
-            c, sl = (cuda.to_device(a, stream=s) for a in (plan.store_chunks, plan.store_slots))
-            store_to_pool(self.pool_dev, self.staging, c, sl, s)
-            if keys:
-                store_to_pool(self.key_pool_dev, self.key_staging, c, sl, s)
-        if len(plan.miss_chunks):  # every layer's misses in one launch (two: entries, keys)
-            c, sl = (cuda.to_device(a, stream=s) for a in (plan.miss_chunks, plan.miss_slots))
-            gather_to_slots(self.staging, self.pool_dev, c, sl, s)
-            if keys:
-                gather_to_slots(self.key_staging, self.key_pool_dev, c, sl, s)
-        self.lut.copy_to_device(t.slot_of_chunk, stream=s)
-        self.staged = True
+        if len(plan.store_chunks):  # first: the slots may be reused by the gathers below
+            self._copy("store", plan.store_chunks, plan.store_slots, c)
+        early = ~plan.miss_late
+        if early.any():  # every layer's misses in one launch (two: entries, keys)
+            self._copy("early", plan.miss_chunks[early], plan.miss_slots[early], c)
+        self.lut_host[:] = t.slot_of_chunk
+        self.lut_next.copy_to_device(self.lut_host, stream=c)
+        self.pending = dict(n_formed=n_formed, late=(plan.miss_chunks[~early],
+                                                     plan.miss_slots[~early]), t0=t0,
+                            ms=1e3 * (time.perf_counter() - t0),
+                            counts=dict(hits=plan.hits, misses=len(plan.miss_chunks),
+                                        stores=len(plan.store_chunks),
+                                        evictions=len(plan.evicted_chunks)))
+
+    def switch(self, n_now: int) -> dict:
+        """The staged set takes effect from the next replay (decode stream, which has waited
+        for the staging): the late swap-ins, the LUT. ``n_now``: chunks formed so far.
+        Returns the cycle's swap counts."""
+        t0 = time.perf_counter()
+        s, p = self.eng.stream, self.pending
+        if self.switched is not None:
+            self.switched.synchronize()  # the last switch's lists are out of the pinned rows
+        if not self.staged:  # the direct steps since the boundary wrote their chunks to the pool
+            lag = np.arange(p["n_formed"], min(n_now, self.N), dtype=np.int32)
+            if len(lag):
+                self._copy("lag", lag, self.table.slot_of_chunk[lag], s)
+        chunks, slots = p["late"]
+        if len(chunks):
+            self._copy("late", chunks, slots, s)
+            self.late += len(chunks)
+        self.lut.copy_to_device(self.lut_next, stream=s)
+        if self.switched is not None:
+            self.switched.record(s)
+        self.staged, self.pending = True, None
         if self.validate:
             self.check_staged()
         elif self.sync:
             s.synchronize()
-        self.cycle_ms.append(1e3 * (time.perf_counter() - t0))
-        return dict(hits=plan.hits, misses=len(plan.miss_chunks),
-                    stores=len(plan.store_chunks), evictions=len(plan.evicted_chunks))
+        self.cycle_ms.append(p["ms"] + 1e3 * (time.perf_counter() - t0))
+        return p["counts"]
+
+    def _copy(self, kind: str, chunks: np.ndarray, slots: np.ndarray, stream) -> None:
+        """One launch over all CSA layers (one more for the swapped keys): ``store`` staging ->
+        pool, the others (swap-ins) pool -> staging."""
+        k, m = COPY_KINDS.index(kind), len(chunks)
+        self.idx_host[k, :m], self.idx_host[k, m:2 * m] = chunks, slots
+        dev = self.idx_dev[k, :2 * m]
+        dev.copy_to_device(self.idx_host[k, :2 * m], stream=stream)
+        c, sl = dev[:m], dev[m:]
+        pairs = [(self.pool_dev, self.staging)]
+        if self.key_layers:
+            pairs.append((self.key_pool_dev, self.key_staging))
+        for pool, staging in pairs:
+            if kind == "store":
+                store_to_pool(pool, staging, c, sl, stream)
+            else:
+                gather_to_slots(staging, pool, c, sl, stream)
 
     def check_staged(self) -> None:
         """VALIDATE: every ready slot byte for byte against the pool (a host sync)."""
@@ -200,16 +257,42 @@ class EngineSwap:
         of every CSA layer and the keys of every swapped-key layer): hits (selected chunks
         already staged), misses (swap-ins from the host pool), stores (new chunks written to
         the pool: by the direct steps, or from staging at a boundary), evictions (staged
-        chunks dropped for others); bytes each way over all layers."""
+        chunks dropped for others), late_misses (misses copied at the switch, after the
+        running window, because their slot was in use); bytes each way over all layers.
+        ``cycles`` counts switches; a cycle staged just before the generation ends is in the
+        table's counts though it never took effect."""
         c, L = self.table.counters, len(self.layers)
         per_chunk = L * self.B + len(self.key_layers) * index_key_bytes(self.eng.cfg.index_dim)
         stores = c.stores + self.direct_stores
         return dict(layers=L, key_layers=len(self.key_layers), gpu_chunks=self.S,
                     compressed_cap=self.N, hits=c.hits, misses=c.misses, stores=stores,
-                    evictions=c.evictions, h2d_mib=round(c.misses * per_chunk / MIB, 3),
+                    evictions=c.evictions, late_misses=self.late,
+                    h2d_mib=round(c.misses * per_chunk / MIB, 3),
                     d2h_mib=round(stores * per_chunk / MIB, 3), cycles=len(self.cycle_ms),
                     cycle_ms_mean=round(float(np.mean(self.cycle_ms)), 3) if self.cycle_ms
                     else 0.0, validated_rows=self.validated)
+
+
+def memory_lines(eng, ctx: int) -> list[str]:
+    """The seed's load-time lines (MEM_PROFILE): ``gguf_kv_cache`` (the engine's caches, GPU
+    and pinned) and ``gguf_mem`` (the device's memory once the engine is built; left out where
+    the device reports none, as the simulator)."""
+    cfg, gib = eng.cfg, float(1 << 30)
+    pinned = eng.swap.pinned_bytes if eng.swap is not None else 0
+    lines = [f"gguf_kv_cache max_capacity={ctx} sparse_layers="
+             f"{sum(cfg.ratio(i) > 0 for i in range(cfg.n_layers))} n_layers={cfg.n_layers} "
+             f"kv_cache_gib={eng.cache_bytes / gib:.3f} pinned_gib={pinned / gib:.3f}"]
+    free, total = cuda.current_context().get_memory_info()
+    if np.isfinite(free) and np.isfinite(total):
+        lines.append(mem_line("after_kv_cache", free, total))
+    return lines
+
+
+def mem_line(tag: str, free: float, total: float) -> str:
+    """``gguf_mem tag=… free_gib=… total_gib=… used_gib=…`` (the seed's format, one GPU)."""
+    gib = float(1 << 30)
+    return (f"gguf_mem tag={tag} tp_rank=0 free_gib={free / gib:.2f} total_gib={total / gib:.2f} "
+            f"used_gib={(total - free) / gib:.2f}")
 
 
 def stats_line(st: dict) -> str:
@@ -217,6 +300,7 @@ def stats_line(st: dict) -> str:
     return (f"gguf_kv_swap_stats layers={st['layers']} key_layers={st['key_layers']} "
             f"gpu_chunks_total={st['gpu_chunks'] * st['layers']} "
             f"compressed_cap_total={st['compressed_cap'] * st['layers']} hits={st['hits']} "
-            f"misses={st['misses']} stores={st['stores']} evictions={st['evictions']} "
+            f"misses={st['misses']} late_misses={st['late_misses']} stores={st['stores']} "
+            f"evictions={st['evictions']} "
             f"h2d_mib={st['h2d_mib']} d2h_mib={st['d2h_mib']} cycles={st['cycles']} "
             f"cycle_ms_mean={st['cycle_ms_mean']} validated_rows={st['validated_rows']}")

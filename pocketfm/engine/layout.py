@@ -118,11 +118,16 @@ def cache_layout(cfg: ModelConfig, capacity: int, gpu_chunks: int | None = None,
     return specs
 
 
+COPY_KINDS = ("store", "early", "late", "lag")  # a swap cycle's copy lists (engine/kvswap.py)
+
+
 def swap_specs(cfg: ModelConfig, capacity: int, gpu_chunks: int, key_layers=()
                ) -> list[ArraySpec]:
     """The KV swap's own arrays (engine/kvswap.py allocates exactly these, by name): the pinned
     pools of every CSA layer's entries and of ``key_layers``' indexer keys, their GPU staging
-    (``gpu_chunks`` slots), the slot LUT and the step's slot-indexed scratch."""
+    (``gpu_chunks`` slots), the slot LUT, the next cycle's LUT and its pinned source, the
+    pinned and device (chunk, slot) lists of a cycle's copies (a row per COPY_KINDS) and the
+    step's slot-indexed scratch."""
     n_csa = sum(cfg.is_csa(i) for i in range(cfg.n_layers))
     N, S, L = max(1, capacity // 4), gpu_chunks, n_csa
     kvb = kv_entry_bytes(cfg.head_dim, cfg.rope_dim)
@@ -132,7 +137,10 @@ def swap_specs(cfg: ModelConfig, capacity: int, gpu_chunks: int, key_layers=()
         return ArraySpec(component, -1, name, tuple(shape), dtype, where)
     specs = [a("c4_kv_staged", "staging", (L, S, kvb), u8),
              a("c4_kv_pool", "pool", (L, N, kvb), u8, "pinned"),
-             a("swap_table", "lut", (N,), i32), a("swap_table", "sel_slots", (cfg.index_topk,), i32)]
+             a("swap_table", "lut", (N,), i32), a("swap_table", "sel_slots", (cfg.index_topk,), i32),
+             a("swap_table", "lut_next", (N,), i32), a("swap_table", "lut_host", (N,), i32, "pinned"),
+             a("swap_table", "idx_dev", (len(COPY_KINDS), 2 * S), i32),
+             a("swap_table", "idx_host", (len(COPY_KINDS), 2 * S), i32, "pinned")]
     if key_layers:
         kb = index_key_bytes(cfg.index_dim)
         specs += [a("indexer_keys_staged", "key_staging", (len(key_layers), S, kb), u8),

@@ -7,10 +7,21 @@ The decode graph stays one graph. Inside it, each step
     -inf before its top-k and drops such chunks from the top-k after it (fewer resident chunks
     than k), reading ``resident[N]`` (uint8) and ``n_commit[1]`` (chunks the set covers; newer
     chunks stay selectable: the decode region).
-Between two replays, at a cycle boundary (every ``interval`` decode steps, memory/runtime.py),
-the host launches the retriever scorer over each target layer's packed keys, reads the logits
-back (the one host sync of a cycle, not of a step), selects in NumPy (memory/selection.py, the
-same code as the CPU path) and uploads the new set for the next replay (the n -> n+1 commit).
+A cycle runs between replays, off the decode stream (memory/runtime.py, flashmemory.md §6):
+
+  boundary step s   launched; xs copied to ``xs_cycle`` and an event recorded on the decode
+                    stream. The cycle stream waits for it, scores every chunk of each target
+                    layer and copies the logits to pinned host memory (event ``scored``).
+  steps s+1 ..      keep replaying with the old set. Once ``scored`` has fired (polled after each
+                    launch, never waited for) the host selects in NumPy (memory/selection.py,
+                    the same code as the CPU path) and stages the new set on the cycle stream:
+                    ``resident``/``n_commit`` into their ``_next`` copies and, with KV swap, the
+                    stores, the early swap-ins and the LUT (engine/kvswap.py) (event ``staged``).
+  after step s+lag  the decode stream waits for ``staged``, swaps in what could not go early,
+                    copies the ``_next`` buffers over the live ones; step s+lag+1 sees the set.
+
+With ``lag`` 0 (``--commit-lag 0``, the default without KV swap) the host waits for the scores
+at the boundary itself: the plain n -> n+1 commit.
 
 ``global-topk`` (the seed's mode) rescores every step, so it runs inside the graph instead: at
 the end of each step the scorer (position and chunk count read on the device), the ensemble and
@@ -24,6 +35,7 @@ from numba import cuda
 
 from ..errors import InputError
 from ..kernels.moe import broadcast_rows
+from ..kernels import device
 from . import step_kernels as sk
 
 
@@ -39,15 +51,26 @@ class EngineMemory:
         self.n4 = max(1, eng.capacity // 4)
         self.resident = cuda.to_device(np.ones(self.n4, np.uint8), stream=s)  # resident[N]
         self.n_commit = cuda.to_device(np.zeros(1, np.int32), stream=s)
+        # the next set, staged on the cycle stream from pinned host copies
+        self.resident_next = cuda.device_array_like(self.resident, stream=s)
+        self.n_commit_next = cuda.device_array_like(self.n_commit, stream=s)
+        self.resident_host = cuda.pinned_array(self.n4, np.uint8)
+        self.n_commit_host = cuda.pinned_array(1, np.int32)
+        self.cycle_stream = s if device.SIMULATOR else cuda.stream()
+        self.boundary, self.scored, self.staged = (None if device.SIMULATOR else
+                                                   cuda.event(timing=False) for _ in range(3))
+        self.prepared = False  # the pending cycle's set is staged
         self.rows = {layer: row for row, layer in enumerate(sorted(memory.targets))}
         self.scorer = None
         if self.rows:
             from ..kernels.retriever import RetrieverScorer
 
             self.xs = cuda.to_device(np.zeros((len(self.rows), cfg.dim), np.float32), stream=s)
+            self.xs_cycle = cuda.device_array_like(self.xs, stream=s)  # the boundary's x
             self.z = cuda.device_array((len(self.rows), self.n4), np.float32, stream=s)
+            self.z_host = cuda.pinned_array((len(self.rows), self.n4), np.float32)
             self.scorer = RetrieverScorer(memory.retriever, memory.freq, self.n4, stream=s)
-            self._score(1, 0)  # compile the scorer now, not inside the first decode cycle
+            self._score(1, 0, s)  # compile the scorer now, not inside the first decode cycle
         self.global_mode = memory.sel.mode == "global-topk"
         if self.global_mode:
             from ..kernels.indexer import topk_workspace
@@ -96,41 +119,100 @@ class EngineMemory:
     def reset(self, n_prompt: int) -> None:
         """A new sequence: everything resident until the first boundary."""
         self.memory.start(n_prompt, self.eng.capacity)
-        self._upload(None, 0)
+        self.prepared = False
+        s = self.eng.stream
+        self.resident.copy_to_device(np.ones(self.n4, np.uint8), stream=s)
+        self.n_commit.copy_to_device(np.zeros(1, np.int32), stream=s)
         if self.global_mode:
-            self.g_active.copy_to_device(np.zeros(1, np.int32), stream=self.eng.stream)
+            self.g_active.copy_to_device(np.zeros(1, np.int32), stream=s)
+
+    def drain(self) -> None:
+        """Wait for the cycle stream: a cycle staged as the last sequence ended may still be
+        storing into the pool that the next prompt rewrites."""
+        self.cycle_stream.synchronize()
 
     def begin(self, pos: int) -> None:
         self.memory.begin(pos, 1)
 
     def after_step(self, n_tokens: int) -> None:
-        """The step that leaves ``n_tokens`` in the context has been launched: at a boundary,
-        score, select and commit the set for the next replay."""
+        """The step that leaves ``n_tokens`` in the context has been launched: mark a boundary,
+        stage a pending set whose scores are in, put a due set in force (module docstring)."""
+        m = self.memory
         if self.global_mode:  # selected inside the step: the host only counts
-            self.memory.step_done(n_tokens, None)
-        elif self.memory.step_done(n_tokens, self._logits):
-            m = self.memory
-            self._upload(m.active, m.n_commit)
+            m.step_done(n_tokens, None)
+            return
+        if m.cycle_due():
+            self.mark_boundary()
+        if m.step_done(n_tokens, self._launch_scores):  # due: in force from the next step
+            if not self.prepared:
+                self.stage(m.active, m.n_commit)
+            self.switch(n_tokens)
+        elif m.pending is not None and not self.prepared and self._scores_in():
+            self.stage(*m.pending_set())
 
-    def _score(self, n: int, pos: int) -> None:
+    def mark_boundary(self) -> None:
+        """The step just launched is a boundary: the cycle stream starts after it."""
+        s = self.eng.stream
+        if self.rows:  # step s+1 rewrites xs while the cycle stream scores
+            self.xs_cycle.copy_to_device(self.xs, stream=s)
+        if self.boundary is not None:
+            self.boundary.record(s)
+            self.boundary.wait(self.cycle_stream)
+
+    def _scores_in(self) -> bool:
+        return self.scored is None or self.scored.query()
+
+    def _score(self, n: int, pos: int, stream, xs=None) -> None:
         keys = [self.eng.caches[layer].index_keys for layer in sorted(self.rows)]
-        self.scorer.score(self.z, self.xs, pos, keys, n, stream=self.eng.stream)
+        self.scorer.score(self.z, self.xs if xs is None else xs, pos, keys, n, stream=stream)
 
-    def _logits(self, n: int, pos: int) -> np.ndarray:
-        """z[L, n] of the target layers, scored on the GPU after the step that wrote xs."""
-        s = self.eng.stream
-        self._score(n, pos)
-        z = self.z.copy_to_host(stream=s)
-        s.synchronize()
-        return z[:, :n]
+    def _launch_scores(self, n: int, pos: int):
+        """Score the boundary's x on the cycle stream; returns the wait for z[L, n]."""
+        c = self.cycle_stream
+        self._score(n, pos, c, self.xs_cycle)
+        self.z.copy_to_host(self.z_host, stream=c)
+        if self.scored is not None:
+            self.scored.record(c)
 
-    def _upload(self, active, n_commit: int) -> None:
-        """The committed set for the next replays (and, with KV swap, its chunks staged)."""
+        def wait() -> np.ndarray:
+            if self.scored is None:
+                c.synchronize()
+            else:
+                self.scored.synchronize()
+            return np.array(self.z_host[:, :n])
+        return wait
+
+    def stage(self, active, n_commit: int) -> None:
+        """Stage the set (resident[n_commit] bool, or None: all) on the cycle stream: its
+        ``_next`` buffers and, with KV swap, its chunks (engine/kvswap.py)."""
+        c = self.cycle_stream
+        if self.staged is not None:
+            self.staged.synchronize()  # the last cycle's copies out of the pinned buffers
         if self.eng.swap is not None and n_commit > 0:
-            self.eng.swap.commit(active, n_commit)
-        res = np.ones(self.n4, np.uint8)
+            self.eng.swap.stage(active, n_commit, c)
+        self.resident_host[:] = 1
         if active is not None:
-            res[:n_commit] = active[:n_commit]
+            self.resident_host[:n_commit] = active[:n_commit]
+        self.n_commit_host[0] = n_commit
+        self.resident_next.copy_to_device(self.resident_host, stream=c)
+        self.n_commit_next.copy_to_device(self.n_commit_host, stream=c)
+        if self.staged is not None:
+            self.staged.record(c)
+        self.prepared = True
+
+    def switch(self, n_tokens: int) -> None:
+        """Put the staged set in force for the next replay (decode stream, no host wait)."""
         s = self.eng.stream
-        self.resident.copy_to_device(res, stream=s)
-        self.n_commit.copy_to_device(np.array([n_commit], np.int32), stream=s)
+        if self.staged is not None:
+            self.staged.wait(s)
+        if self.eng.swap is not None and self.eng.swap.pending:
+            self.eng.swap.switch(n_tokens // 4)
+        self.resident.copy_to_device(self.resident_next, stream=s)
+        self.n_commit.copy_to_device(self.n_commit_next, stream=s)
+        self.prepared = False
+
+    def commit(self, active, n_commit: int, n_tokens: int) -> None:
+        """A boundary, staged and switched at once (no lag; the benchmark's first set)."""
+        self.mark_boundary()
+        self.stage(active, n_commit)
+        self.switch(n_tokens)

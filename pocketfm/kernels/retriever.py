@@ -256,10 +256,12 @@ class RetrieverScorer:
         self.w = device.device_empty(H, np.float32, stream)
         self.work = None if capacity is None else logits_workspace(H, capacity, stream)
         # Host staging kept alive and refilled in place: an upload never reads a freed buffer,
-        # even when a benchmark captures score() into a graph.
+        # even when a benchmark captures score() into a graph. Pinned, so that an upload on a
+        # stream that waits for other work returns at once (from pageable memory the driver
+        # copies synchronously: the host would wait for that stream).
         P = len(self.freq)
-        self.host_cos, self.host_sin = np.zeros((1, P), np.float32), np.zeros((1, P), np.float32)
-        self.host_n = np.zeros(1, np.int32)
+        self.host_cos, self.host_sin = (cuda.pinned_array((1, P), np.float32) for _ in range(2))
+        self.host_n = cuda.pinned_array(1, np.int32)
         self.cos = device.device_empty((1, P), np.float32, stream)
         self.sin = device.device_empty((1, P), np.float32, stream)
         self.n_visible = device.device_empty(1, np.int32, stream)

@@ -10,13 +10,15 @@ line wins over the variable; the variable wins over the default.
     KV_SWAP                              --kv-swap                     stage chunks from the cold pool
     KV_SWAP_GPU_CHUNKS                   --gpu-chunks K                GPU staging slots (shared by all CSA layers)
     KV_SWAP_PINNED_MIB                   --pinned-mib M                cap on the pinned host pool
-    KV_SWAP_SYNC                         --kv-swap-sync                wait for each cycle's copies (debug)
+    KV_SWAP_SYNC                         --kv-swap-sync                no overlap: each cycle's copies run
+                                                                       at its boundary, then a host sync
     KV_SWAP_VALIDATE                     --kv-swap-validate            byte-compare staged slots with the pool
     KV_SWAP_TEST_ALLOW_TOPK_REDUCTION    --kv-swap-test-allow-topk-reduction
     FLASHMEMORY_PLUGIN / _CKPT           --memory-indexer CKPT
     FLASHMEMORY_RUNTIME_SCORING=1        --selection global-topk       (the seed's mode)
     FLASHMEMORY_ENSEMBLE                 --ensemble
-    MEM_PROFILE                          --mem-profile / 0 to silence  the gguf_kv_swap lines on stderr
+    MEM_PROFILE                          (0 to silence)                the gguf_kv_swap / _kv_cache / _mem
+                                                                       / _kv_swap_stats lines on stderr
     SPARSE_COMPRESSOR, SPARSE_INDEXER    (always on: part of DeepSeek-V4's attention; 0 is refused)
 """
 from __future__ import annotations
@@ -187,12 +189,36 @@ class SwapPlanConfig:
     validate: bool = False
     sync: bool = False
     key_layers: tuple[int, ...] = ()  # CSA layers whose indexer keys are swapped too
+    lag: int = 0  # decode steps between a boundary and its set taking effect (overlap window)
 
 
-def decode_region(interval: int) -> int:
-    """Chunks a window of ``interval`` decode steps can form (4 tokens each), plus one for a
-    window that starts mid-chunk."""
-    return math.ceil(interval / 4) + 1
+OVERLAP_LAG = 2  # default commit lag with KV swap (not --kv-swap-sync): the steps whose decode
+# hides a cycle's scoring read-back, selection, stores and swap-ins (flashmemory.md §6: "with
+# asynchronous recall a set can become effective a few steps later still")
+
+
+def commit_lag(sel, cfg: SwapConfig) -> int:
+    """The run's commit lag: ``--commit-lag`` when given; else, with an overlapped KV swap,
+    OVERLAP_LAG (less than the interval); else 0 (the set takes effect at the next step)."""
+    if sel.commit_lag is not None:
+        return sel.commit_lag
+    if cfg.kv_swap and not cfg.sync:
+        return min(OVERLAP_LAG, sel.interval - 1)
+    return 0
+
+
+def decode_region(interval: int, lag: int = 0) -> int:
+    """Chunks formed between a boundary and the end of the window its set serves: the
+    ``lag`` steps before the set takes effect and the ``interval`` steps it is in force (4
+    tokens each), plus one for a window that starts mid-chunk."""
+    return math.ceil((interval + lag) / 4) + 1
+
+
+def default_slots(need: int, region: int, overlap: bool) -> int:
+    """Staging slots for a set of up to ``need`` chunks and a decode region: with overlap,
+    room for the set of the running window beside the next one's, so that every miss can be
+    copied while the window still runs (kvswap/table.py, ``miss_late``)."""
+    return (2 * need if overlap else need) + region
 
 
 def max_set_chunks(memory, capacity: int) -> int | None:
@@ -233,13 +259,15 @@ def plan_swap(cfg: SwapConfig, model_cfg, capacity: int, memory) -> SwapPlanConf
                          + ("every chunk stays resident, nothing to swap" if mode == "full" else
                             "it reselects every step inside the CUDA graph, the swap stages "
                             "once per cycle") + "; use lookahead, recency or random")
-    region = decode_region(memory.sel.interval)
+    lag = commit_lag(memory.sel, cfg)
+    region = decode_region(memory.sel.interval, lag)
     need = max_set_chunks(memory, capacity)
     if need is None:
         raise InputError("--kv-swap: the lookahead selection is unbounded (--kmax 0 without "
                          "--keep-topk); give --kmax pages so the staging has a size")
     want = need + region
-    slots = cfg.gpu_chunks if cfg.gpu_chunks is not None else max(want, k)
+    slots = (cfg.gpu_chunks if cfg.gpu_chunks is not None
+             else max(default_slots(need, region, not cfg.sync), k))
     if slots < k:
         if not cfg.allow_topk_reduction:
             raise InputError(f"{PREFIX}KV_SWAP_GPU_CHUNKS must be >= index_topk to avoid "
@@ -255,8 +283,10 @@ def plan_swap(cfg: SwapConfig, model_cfg, capacity: int, memory) -> SwapPlanConf
     # every chunk's key each cycle); every other CSA layer's keys are swapped with its entries
     csa = [i for i in range(model_cfg.n_layers) if model_cfg.is_csa(i)]
     keys = tuple(i for i in csa if i not in getattr(memory, "targets", {}))
-    extra = dict(cap_mib=cfg.pinned_mib, validate=cfg.validate, sync=cfg.sync, key_layers=keys)
+    extra = dict(cap_mib=cfg.pinned_mib, validate=cfg.validate, sync=cfg.sync, key_layers=keys,
+                 lag=lag)
     if n_chunks <= slots:  # everything fits on the GPU: swapping would only add copies
+        extra["lag"] = memory.sel.commit_lag or 0  # nothing to overlap
         return SwapPlanConfig(False, slots, k, region,
                               "no_layer_with_compressed_cap_gt_gpu_chunks", **extra)
     return SwapPlanConfig(True, slots, k, region, **extra)
@@ -277,4 +307,4 @@ def swap_line(cfg: SwapConfig, plan: SwapPlanConfig, pinned_mib: float) -> str:
     return (f"{head} requested={int(cfg.kv_swap)} gpu_chunks={plan.gpu_chunks} "
             f"pinned_mib={pinned_mib:.1f} cap_mib={cfg.pinned_mib} sync={int(cfg.sync)} "
             f"validate={int(cfg.validate)} test_allow_topk_reduction="
-            f"{int(cfg.allow_topk_reduction)}")
+            f"{int(cfg.allow_topk_reduction)} commit_lag={plan.lag}")

@@ -17,6 +17,13 @@ carries out in this order, before the window's first step:
     2. misses      host pool -> staging, selected chunks that were not staged
     3. reserves    nothing to copy: the GPU compressor writes these chunks during the window
 
+Overlap. The engine plans a cycle while the last window's steps still run (engine/kvswap.py):
+its stores and most of its misses go on a copy stream beside them. A miss may be copied that
+early only into a slot the running window cannot read: one that was free or not used in the
+last cycle (``SwapPlan.miss_late`` marks the others, which wait for the window's end). Slots
+are taken free first, then least recently used, so with headroom (more slots than one window
+needs) no miss waits.
+
 Decode region. Chunks formed during a window are written by the GPU compressor straight into a
 slot reserved for them at the boundary before, inside the captured CUDA graph: the step needs
 no host sync to learn where a new chunk goes, and the chunk is readable by attention at once.
@@ -65,6 +72,8 @@ class SwapPlan:
     reserve_chunks: np.ndarray = field(default_factory=_empty)  # int32 [reserves] GPU writes them
     reserve_slots: np.ndarray = field(default_factory=_empty)   # int32 [reserves]
     evicted_chunks: np.ndarray = field(default_factory=_empty)  # int32 [evictions], sorted
+    miss_late: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # bool [misses]
+    # True: the miss's slot was used in the last cycle (its window may still read it)
     hits: int = 0                                               # selected and already staged
 
 
@@ -163,6 +172,10 @@ class SwapTable:
         slots = self._take_slots(need, wanted)
         plan.miss_slots = slots[:len(plan.miss_chunks)]
         plan.reserve_slots = slots[len(plan.miss_chunks):]
+        # (stamps of the last cycle, before this one's update: the running window's slots)
+        taken = plan.miss_slots
+        plan.miss_late = ((self.chunk_of_slot[taken] != FREE)
+                          & (self.stamp[taken] == self.clock - 1))
 
         # Evict whatever the taken slots held.
         evicted = self.chunk_of_slot[slots]

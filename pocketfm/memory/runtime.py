@@ -15,6 +15,12 @@ commit: the x of step s exists only mid-step, and consecutive windows overlap by
 Step 0 runs fully resident. Chunks formed after a boundary are resident until the next one (the
 engine's decode region; the 128-token window covers them too).
 
+Commit lag (``--commit-lag L``, flashmemory.md §6: "with asynchronous recall a set can become
+effective a few steps later still"): the set of boundary s is computed from step s's x but
+takes effect after step s + L, so that the GPU engine can read the scores back, select, and
+swap the chunks in while steps s+1 .. s+L run (engine/memory.py). L = 0 is the plain n -> n+1
+commit. The lag is part of the selection's meaning, so the NumPy forward honours it too.
+
 Level 2 (§7): in every CSA layer the native indexer's top-k is taken over resident chunks only.
 ``global-topk`` (the seed's mode) instead replaces the native choice with the ensemble's global
 top-``index_topk`` in every CSA layer, rescored every step.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +43,18 @@ from .selection import (NEEDS_RETRIEVER, SelectionConfig, edge_chunks, ensemble_
                         random_chunks, select_chunks, select_pages)
 
 CHUNK_TOKENS = 4  # one CSA entry = 4 tokens
+
+
+@dataclass
+class PendingCycle:
+    """A cycle started at a boundary, in force after step ``due`` (boundary + lag)."""
+
+    due: int
+    n: int     # chunks at the boundary
+    pos: int   # the boundary step's position (the scorer's query position)
+    z: object  # z[L, n], a callable that waits for it, or None (no retriever)
+    in_graph: bool = False  # global-topk on the GPU: selected inside the step
+    result: tuple | None = None  # resolve()'s
 
 
 class MemoryIndexer:
@@ -59,6 +78,9 @@ class MemoryIndexer:
                         if retriever is not None and sel.mode in NEEDS_RETRIEVER else {})
         self.csa = set(csa_layers(cfg))
         self.on_cycle = None  # called with each cycle's stats dict (``run --stats``)
+        # steps from a boundary to its set taking effect: --commit-lag, or what the run's KV
+        # swap plan chose (generate() sets it per run)
+        self.lag = sel.commit_lag or 0
         self.start(0, cfg.ctx_train)
 
     # ---- per generation ---------------------------------------------------------------------
@@ -76,12 +98,17 @@ class MemoryIndexer:
         self.step: int | None = None
         self._x: dict[int, np.ndarray] = {}
         self.rng = np.random.default_rng(self.sel.seed)
+        self.pending: PendingCycle | None = None  # computed at a boundary, not yet in force
         self.cycles: list[dict] = []
         self.fractions: list[float] = []
         self.recall_hits = self.recall_total = 0
 
     def _due(self) -> bool:
         return self.step is not None and self.step % self.interval == 0
+
+    def cycle_due(self) -> bool:
+        """Whether the current step (after ``begin``) is a boundary that starts a cycle."""
+        return self._due() and self.sel.mode != "full"
 
     # ---- forward hooks ----------------------------------------------------------------------
     def begin(self, pos0: int, T: int) -> None:
@@ -131,10 +158,11 @@ class MemoryIndexer:
         self.step_done(state.pos, lambda n, pos: self.layer_logits(state, n, pos))
 
     def step_done(self, n_tokens: int, logits_fn) -> bool:
-        """After a step that leaves ``n_tokens`` in the context: count the resident share and,
-        at a boundary, run a cycle with ``logits_fn(n, pos) -> z[L, n]`` (the NumPy scorer
-        here, the GPU scorer in the engine; None: global-topk selected on the device inside
-        the step, only counted here). Returns whether a new set was committed."""
+        """After a step that leaves ``n_tokens`` in the context: count the resident share; at a
+        boundary start a cycle with ``logits_fn(n, pos)`` -> z[L, n], or a zero-argument
+        callable that waits for z (the GPU engine scores asynchronously); None: global-topk
+        selected on the device inside the step, only counted here. Returns whether a new set
+        was committed, i.e. is in force from the next step (``lag`` steps after its boundary)."""
         if self.step is None:
             return False
         n = n_tokens // CHUNK_TOKENS  # chunks formed so far (visible to the next step)
@@ -142,31 +170,53 @@ class MemoryIndexer:
             full = not self.has_set
             new = 0 if self.sel.mode == "global-topk" else n - self.n_commit
             self.fractions.append(1.0 if full else (self.n_resident + new) / n)
-        if self._due() and self.sel.mode != "full":
-            self._cycle(n, n_tokens - 1, logits_fn)
+        if self.cycle_due():
+            z = None
+            if self.sel.mode in NEEDS_RETRIEVER and logits_fn is not None:
+                z = logits_fn(n, n_tokens - 1)
+            self.pending = PendingCycle(self.step + self.lag, n, n_tokens - 1, z,
+                                        in_graph=logits_fn is None)
+        if self.pending is not None and self.step >= self.pending.due:
+            self._commit(self.resolve())
             return True
         return False
 
     # ---- one cycle --------------------------------------------------------------------------
-    def _cycle(self, n: int, pos: int, logits_fn) -> None:
+    def resolve(self) -> tuple:
+        """Select the pending cycle's set (waiting for its logits); idempotent. Returns
+        (resident[n] bool or None, chosen ids or None, n, n_resident, stats)."""
+        p = self.pending
+        if p.result is None:
+            p.result = self._select(p)
+        return p.result
+
+    def pending_set(self) -> tuple[np.ndarray | None, int] | None:
+        """(resident[n], n) of the pending cycle once resolved (None: nothing pending)."""
+        if self.pending is None:
+            return None
+        resident, _, n, _, _ = self.resolve()
+        return resident, n
+
+    def _select(self, p: PendingCycle) -> tuple:
         t0 = time.perf_counter()
-        sel, stats = self.sel, {"step": self.step, "position": pos, "chunks": n}
+        sel, n = self.sel, p.n
+        stats = {"step": p.due - self.lag, "position": p.pos, "chunks": n}
+        if self.lag:
+            stats["commit_step"] = p.due
         if sel.mode == "recency":
             resident, _ = edge_chunks(n, self.tail, 0)
         elif sel.mode == "random":
             resident = random_chunks(n, self.tail, sel.random_ratio, self.rng)
-        elif sel.mode == "global-topk" and logits_fn is None:  # chosen inside the GPU step
-            self.n_resident, self.n_commit = min(self.cfg.index_topk, n), n
-            stats["resident"] = self.n_resident
-            return self._record(stats)
+        elif sel.mode == "global-topk" and p.in_graph:  # chosen inside the GPU step
+            stats["resident"] = min(self.cfg.index_topk, n)
+            return None, None, n, stats["resident"], stats
         else:
-            z = logits_fn(n, pos)
+            z = p.z() if callable(p.z) else p.z
             if sel.mode == "global-topk":
                 keep, e = ensemble_keep(z, sel.ensemble, sel.threshold, self.cfg.index_topk)
-                self.active_ids = np.flatnonzero(keep)
-                self.n_commit, self.n_resident = n, len(self.active_ids)
-                stats.update(resident=len(self.active_ids), ms=_ms(t0))
-                return self._record(stats)
+                ids = np.flatnonzero(keep)
+                stats.update(resident=len(ids), ms=_ms(t0))
+                return None, ids, n, len(ids), stats
             keep, e = ensemble_keep(z, sel.ensemble, sel.threshold, sel.topk)
             stats.update(kept=int(keep.sum()), score_mean=float(e.mean()) if n else 0.0,
                          score_max=float(e.max()) if n else 0.0)
@@ -175,11 +225,18 @@ class MemoryIndexer:
                 stats["pages"] = len(pages)
             else:
                 resident = select_chunks(keep, self.tail, sel.sink)
-        self.active, self.n_commit, self.n_resident = resident, n, int(resident.sum())
-        stats.update(resident=self.n_resident, ms=_ms(t0))
-        self._record(stats)
+        stats.update(resident=int(resident.sum()), ms=_ms(t0))
+        return resident, None, n, stats["resident"], stats
 
-    def _record(self, stats: dict) -> None:
+    def _commit(self, result: tuple) -> None:
+        """The pending set is in force from the next step."""
+        resident, ids, n, n_resident, stats = result
+        self.pending = None
+        if ids is not None:
+            self.active_ids = ids
+        elif resident is not None:
+            self.active = resident
+        self.n_commit, self.n_resident = n, n_resident
         self.has_set = True
         self.cycles.append(stats)
         if self.on_cycle is not None:

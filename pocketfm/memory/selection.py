@@ -40,6 +40,8 @@ class SelectionConfig:
     random_ratio: float = 0.10
     seed: int = 7777  # the random baseline's RNG (§14)
     recall_diagnostic: bool = False
+    commit_lag: int | None = None  # steps from a boundary to its set; None: 0, or with an
+    # overlapped KV swap kvswap.config.OVERLAP_LAG
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +58,12 @@ class SelectionConfig:
             if v is not None and v < (1 if name == "page_size" else 0):
                 raise InputError(f"--{name.replace('_', '-')} {v}: expected >= "
                                  f"{1 if name == 'page_size' else 0}")
+        if self.commit_lag is not None and not 0 <= self.commit_lag < self.interval:
+            raise InputError(f"--commit-lag {self.commit_lag}: expected 0 <= lag < --interval "
+                             f"{self.interval} (a set takes effect before the next boundary)")
+        if self.commit_lag and self.mode == "global-topk":
+            raise InputError(f"--commit-lag {self.commit_lag}: global-topk selects inside "
+                             "every step, there is no cycle to delay; use 0")
         if not 0.0 <= self.kmax_ratio <= 1.0 or not 0.0 < self.random_ratio <= 1.0:
             raise InputError("--kmax-ratio / --random-ratio: expected a fraction in (0, 1]")
 
