@@ -38,3 +38,27 @@ def test_bench_tiny_in_the_simulator():
     assert nb["kv_and_index"] == 200 * (5 * 16 + 2 * 8 + 5) + 2 * 11 * 36
     assert nb["total"] == nb["weights"] + nb["routed_experts"] + nb["kv_and_index"]
     assert r["gpu_bytes"]["weights"] > nb["weights"] > 0
+
+
+def test_bench_kv_swap_in_the_simulator():
+    """The swap bench's plumbing: a lookahead-shaped set of 24 pages (tiny: KMAX 24 pages of
+    4 chunks) in 100 slots of 105 chunks, staged every 2 replays and in force 1 replay later."""
+    code, out, err = bench("--preset", "tiny", "--ctx", "420", "--tokens", "3", "--kv-swap",
+                           "--gpu-chunks", "100", "--interval", "2", "--json")
+    assert code == 0, err
+    r = json.loads(out.strip().splitlines()[-1])
+    st = r["kv_swap"]
+    # (24 pages, the newest one partial: 93 chunks at first, 94 as the context grows)
+    assert 90 < r["swap_in_rows"] <= 96 and 90 < r["swap_resident_chunks"] <= 96
+    assert r["decode_tok_s"] > 0
+    assert st["gpu_chunks"] == 100 and st["cycles"] == 3  # the first commit + 2 windows
+    # the churned pages' 4 misses fit the 5 slots the first set left free: none waits
+    assert st["misses"] == r["swap_in_rows"] + 4 and st["late_misses"] == 0
+
+
+def test_bench_kv_swap_bad_input():
+    code, _, err = bench("--preset", "tiny", "--ctx", "420", "--kv-swap", "--interval", "2",
+                         "--commit-lag", "2")
+    assert code == 2 and "--commit-lag 2: expected < --interval 2" in err, err
+    code, _, err = bench("--preset", "tiny", "--ctx", "420", "--commit-lag", "1")
+    assert code == 2 and "--commit-lag: only meaningful with --kv-swap" in err, err
