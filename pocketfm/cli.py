@@ -362,11 +362,11 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, prefill, prefill_chunk
                    nl=done == total, err=True)
     slots = 0
     if kv_swap:
-        from .kvswap.config import OVERLAP_LAG
+        from .kvswap.config import overlap_lag
         from .plan import default_swap
 
         if commit_lag is None:
-            commit_lag = min(OVERLAP_LAG, interval - 1)
+            commit_lag = overlap_lag(interval)
         if commit_lag >= interval:
             raise InputError(f"--commit-lag {commit_lag}: expected < --interval {interval}")
         slots = gpu_chunks or default_swap(cfg, interval=interval, lag=commit_lag)[0]

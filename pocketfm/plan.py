@@ -62,7 +62,7 @@ def default_swap(cfg: ModelConfig, retriever_path: str | None = None, interval: 
     seed's guard); and every CSA layer's keys but the retriever targets' (the checkpoint's
     layers, or the default l10/l12/l20 placement) — what ``run --kv-swap`` does
     (kvswap/config.py). ``lag`` None: the overlapped default."""
-    from .kvswap.config import OVERLAP_LAG, decode_region, default_slots
+    from .kvswap.config import decode_region, default_slots, overlap_lag
     from .memory.checkpoint import RetrieverGeometry, csa_layers, default_clids
 
     g = RetrieverGeometry.for_model(cfg)
@@ -73,7 +73,7 @@ def default_swap(cfg: ModelConfig, retriever_path: str | None = None, interval: 
         targets = {r.layer for r in load_retriever(retriever_path, cfg).layers}
     else:
         targets = {csa[c] for c in default_clids(cfg)}
-    lag = min(OVERLAP_LAG, interval - 1) if lag is None else lag
+    lag = overlap_lag(interval) if lag is None else lag
     slots = max(default_slots(g.kmax * g.page_size, decode_region(interval, lag), lag > 0),
                 cfg.index_topk)
     return slots, tuple(i for i in csa if i not in targets)

@@ -314,10 +314,10 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     stream = cuda.stream()
     swap = None
     if kv_swap:
-        from ..kvswap.config import OVERLAP_LAG, SwapPlanConfig, decode_region
+        from ..kvswap.config import SwapPlanConfig, decode_region, overlap_lag
         from ..memory.checkpoint import csa_layers, default_clids
 
-        lag = min(OVERLAP_LAG, interval - 1) if lag is None else lag
+        lag = overlap_lag(interval) if lag is None else lag
         csa = csa_layers(cfg)  # a lookahead run's target layers keep their keys on the GPU
         targets = {csa[c] for c in default_clids(cfg)}
         swap = SwapPlanConfig(True, kv_swap, cfg.index_topk, decode_region(interval, lag),

@@ -187,16 +187,12 @@ class EngineSwap:
         self.lut_host[:] = t.slot_of_chunk
         self.lut_next.copy_to_device(self.lut_host, stream=c)
         self.pending = dict(n_formed=n_formed, late=(plan.miss_chunks[~early],
-                                                     plan.miss_slots[~early]), t0=t0,
-                            ms=1e3 * (time.perf_counter() - t0),
-                            counts=dict(hits=plan.hits, misses=len(plan.miss_chunks),
-                                        stores=len(plan.store_chunks),
-                                        evictions=len(plan.evicted_chunks)))
+                                                     plan.miss_slots[~early]),
+                            ms=1e3 * (time.perf_counter() - t0))
 
-    def switch(self, n_now: int) -> dict:
+    def switch(self, n_now: int) -> None:
         """The staged set takes effect from the next replay (decode stream, which has waited
-        for the staging): the late swap-ins, the LUT. ``n_now``: chunks formed so far.
-        Returns the cycle's swap counts."""
+        for the staging): the late swap-ins, the LUT. ``n_now``: chunks formed so far."""
         t0 = time.perf_counter()
         s, p = self.eng.stream, self.pending
         if self.switched is not None:
@@ -218,7 +214,6 @@ class EngineSwap:
         elif self.sync:
             s.synchronize()
         self.cycle_ms.append(p["ms"] + 1e3 * (time.perf_counter() - t0))
-        return p["counts"]
 
     def _copy(self, kind: str, chunks: np.ndarray, slots: np.ndarray, stream) -> None:
         """One launch over all CSA layers (one more for the swapped keys): ``store`` staging ->

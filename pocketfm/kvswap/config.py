@@ -197,13 +197,18 @@ OVERLAP_LAG = 2  # default commit lag with KV swap (not --kv-swap-sync): the ste
 # asynchronous recall a set can become effective a few steps later still")
 
 
+def overlap_lag(interval: int) -> int:
+    """The default commit lag of an overlapped swap: OVERLAP_LAG, less than the interval."""
+    return min(OVERLAP_LAG, interval - 1)
+
+
 def commit_lag(sel, cfg: SwapConfig) -> int:
     """The run's commit lag: ``--commit-lag`` when given; else, with an overlapped KV swap,
     OVERLAP_LAG (less than the interval); else 0 (the set takes effect at the next step)."""
     if sel.commit_lag is not None:
         return sel.commit_lag
     if cfg.kv_swap and not cfg.sync:
-        return min(OVERLAP_LAG, sel.interval - 1)
+        return overlap_lag(sel.interval)
     return 0
 
 
