@@ -287,6 +287,7 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("router", T, cfg.n_experts)
     s.add("route_w", T, k)
     s.add("route_ids", T, k, dtype=i32)
+    s.add("route_order", T * k, dtype=i32)  # the (token, expert) rows grouped by expert
     s.add("x_rep", T * k, D)
     s.add("gate_up", T * k, 2 * F)
     s.add("h", T * k, F)

@@ -11,8 +11,9 @@ A chunk runs the decode step's sublayers with every activation [T, ...] instead 
                  the ring, the chunk's own earlier entries and its compressed entries
                  (attention_prefill), then the chunk enters the ring; the grouped output
                  projection as one GEMM per group; HC post. MoE: router GEMM, per-token routes,
-                 the routed experts as an expert-indexed GEMV over the T·k (token, expert) rows,
-                 the shared expert as GEMMs.
+                 the routed experts over the T·k (token, expert) rows grouped by expert
+                 (expert_order + mma.py's tensor-core GEMM: each expert's weight tile is filled
+                 once for all its rows), the shared expert as GEMMs.
     no head      the chunk's logits are never needed: prefill stops one token short of the
                  prompt, and the decode step ingests the last prompt token and samples.
 
@@ -31,12 +32,14 @@ import numpy as np
 from numba import cuda
 
 from ..kernels import device
+from ..kernels.device import SIMULATOR
 from ..kernels.attention_prefill import attention_prefill, store_chunk_rows
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_chunk
 from ..kernels.embed_sample import embed
 from ..kernels.gemv import gemv
 from ..kernels.hc import hc_post, hc_pre
 from ..kernels.indexer import indexer_scores_chunk, topk_chunk
+from ..kernels.mma import expert_order, gemm_mma, supports
 from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
 from ..kernels.norm_rope import rmsnorm, rope
 from ..kernels.qat import hadamard_fp4, kv_pack
@@ -236,9 +239,20 @@ class ChunkPrefill:
         x_rep, gu, h, down = self.x_rep[:Tk], self.gate_up[:Tk], self.h[:Tk], self.down[:Tk]
         flat_ids = ids.reshape(Tk)
         broadcast_rows(x_rep, v, s, threads=nt)
-        gemv(gu, L.gate_up, x_rep, flat_ids, s, threads=nt)
+        # on a GPU: tensor cores over the rows grouped by expert, so each expert's weight tile
+        # is filled once for all its rows (the simulator keeps the expert-indexed GEMV)
+        grouped = not SIMULATOR and supports(L.gate_up, cfg.dim) and supports(L.down, L.down.cols)
+        if grouped:
+            order = self.route_order[:Tk]
+            expert_order(order, flat_ids, L.gate_up.experts, s)
+            gemm_mma(gu, L.gate_up, x_rep, flat_ids, order, s)
+        else:
+            gemv(gu, L.gate_up, x_rep, flat_ids, s, threads=nt)
         swiglu_fused(h, gu, w.reshape(Tk), cfg.swiglu_clamp[i], s, threads=nt)
-        gemv(down, L.down, h, flat_ids, s, threads=nt)
+        if grouped:
+            gemm_mma(down, L.down, h, flat_ids, order, s)
+        else:
+            gemv(down, L.down, h, flat_ids, s, threads=nt)
         shared = self.sh_down[:T]  # stays zero when the model has no shared expert
         if L.shared_gate_up is not None:
             sgu, sh = self.sh_gate_up[:T], self.sh_h[:T]

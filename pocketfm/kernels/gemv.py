@@ -23,7 +23,9 @@ Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one
   dp4a does the Q8_0 dot products at float32 accuracy (see ``_x_limbs``); used when each block
   streams enough rows to repay quantising x (the 129280-row output head).
 - ``_gemm_<t>_smem_tiles`` (prefill, T > 4): a shared-memory tiled SGEMM; each weight tile is
-  dequantised once into shared memory and reused by a tile of tokens.
+  dequantised once into shared memory and reused by a tile of tokens. On a GPU the launcher
+  hands these shapes to the tensor-core GEMM of mma.py instead (bf16x3 MMAs, float32-exact to
+  ~1e-5); the simulator keeps this kernel, and ``method="batched"`` still forces it.
 
 Measured on the H200 (copy bandwidth 4.14 TB/s; graphs of 20 launches over >= 300 MB of weight
 copies, so L2 serves nothing): Q8_0 decode 75% of copy bandwidth on the output head, 41% on
@@ -634,7 +636,7 @@ def _max_blocks(threads: int) -> int:
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None):
-    """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched") and
+    """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched" / "mma") and
     ``split_k`` (decode: warps per row; batched: K splits) override the choice; tests use them
     to reach every path."""
     assert w.qtype == ty.qtype and x.shape[1] == w.cols and out.shape == (x.shape[0], w.rows)
@@ -653,7 +655,12 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         limit = DECODE_MAX_IDS if per_token else DECODE_MAX_TOKENS
         fits = K % EC == 0 and K // EC <= 32 * 32 * _decode_shape(ty, min(B, limit))[0]
         method = "decode" if T <= limit and fits else "batched"
-    if method == "naive":
+        if method == "batched" and not SIMULATOR and K % TK == 0:
+            method = "mma"  # tensor cores (mma.py); the simulator keeps the CUDA-core tiles
+    if method == "mma":
+        from .mma import gemm_mma  # mma.py builds on this module's helpers
+        gemm_mma(out, w, x, ids, None, stream, split_k)
+    elif method == "naive":
         kern.naive[(N, T), threads or 128, stream](out, w.planes[0], ws, x, ids_arg, per_token, K)
     elif method == "rows":
         nt = threads or 128

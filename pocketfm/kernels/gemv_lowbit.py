@@ -38,7 +38,8 @@ Kernels per type ``<t>`` (the launcher picks by T):
   Accuracy: x carries 15 bits per slot, |error| <= 1.6e-5 · max|x| over the slot (float32 x
   would give ~1e-7; the test bound is 1e-4); measured rel. error 2.1-2.4e-5 at V4 shapes.
 - ``_gemm_<t>_smem_tiles`` (prefill, larger T, no ids): a tile of rows is dequantised once into
-  shared memory (float32) and reused by a tile of tokens; 4 x 4 outputs per thread.
+  shared memory (float32) and reused by a tile of tokens; 4 x 4 outputs per thread. On a GPU
+  the launcher picks mma.py's tensor-core GEMM for these shapes; the simulator keeps this one.
 
 H200, 6 of 256 experts (graph replay; ~13-17 MB read per launch): IQ2_XXS gate 25 µs, Q2_K down
 15 µs (13% / 27% of the 4.1 TB/s copy bandwidth). A load-only kernel with the same access
@@ -66,6 +67,7 @@ from .lowbit_layout import (GRID_REPS, IQ2_TABLE_WORDS, SIGN_REPS, _GRID_NEG_U64
                             _q4_k_dot, _q4_k_elem, _q4_k_word, _q4_k_xcol, pack_iq2_xxs,
                             pack_mxfp4, pack_q2_k, pack_q4_k, unpack_iq2_xxs, unpack_mxfp4,
                             unpack_q2_k, unpack_q4_k)
+from .mma import gemm_mma, supports
 from .qweight import QWeight
 
 __all__ = ["pack_q2_k", "pack_q4_k", "pack_iq2_xxs", "pack_mxfp4", "unpack_q2_k", "unpack_q4_k",
@@ -455,6 +457,9 @@ def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | No
     if how is None:
         how = "decode" if (ids is not None or T <= DECODE_MAX_TOKENS) else "gemm"
         how = "naive" if how == "decode" and (nt is None or _FLOAT_X) else how
+        if how == "gemm" and not SIMULATOR and supports(w, K):
+            gemm_mma(out, w, x, None, None, stream)  # tensor cores
+            return
     if how == "naive":
         nt = min(_pow2_floor(threads or 128), 1024)
         spec.naive[(N, T), nt, stream](out, w.planes, x, ids_arr)
