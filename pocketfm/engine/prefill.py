@@ -241,7 +241,7 @@ class ChunkPrefill:
         broadcast_rows(x_rep, v, s, threads=nt)
         # on a GPU: tensor cores over the rows grouped by expert, so each expert's weight tile
         # is filled once for all its rows (the simulator keeps the expert-indexed GEMV)
-        grouped = not SIMULATOR and supports(L.gate_up, cfg.dim) and supports(L.down, L.down.cols)
+        grouped = not SIMULATOR and supports(L.gate_up) and supports(L.down)
         if grouped:
             order = self.route_order[:Tk]
             expert_order(order, flat_ids, L.gate_up.experts, s)

@@ -69,7 +69,22 @@ if SIMULATOR:
                 m = max(m, scratch[base + i])
         cuda.syncthreads()
         return m
+    @cuda.jit(device=True)
+    def xor_shfl(v, off, scratch):
+        """v of lane (lane ^ off) (simulator path: through ``scratch``, a float32 shared array
+        of blockDim.x, so the value comes back as float32 and every thread must call it)."""
+        t = cuda.threadIdx.x
+        scratch[t] = v
+        cuda.syncthreads()
+        r = scratch[t ^ off]
+        cuda.syncthreads()
+        return r
 else:
+    @cuda.jit(device=True)
+    def xor_shfl(v, off, scratch):
+        """v of lane (lane ^ off), by shfl.sync (``scratch`` unused on the GPU)."""
+        return cuda.shfl_xor_sync(FULL_MASK, v, off)
+
     @cuda.jit(device=True)
     def warp_sum(v, scratch):
         """Sum of ``v`` over the calling warp, returned to every lane (butterfly shuffles;

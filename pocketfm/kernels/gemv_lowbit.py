@@ -59,7 +59,7 @@ from .. import quants
 from ..quants import GGMLType
 from . import device
 from .bench import BenchCase
-from .device import SIMULATOR, block_sum, cdiv, kernel
+from .device import SIMULATOR, block_sum, cdiv, kernel, xor_shfl
 from .lowbit_layout import (GRID_REPS, IQ2_TABLE_WORDS, SIGN_REPS, _GRID_NEG_U64, _GRID_U64,
                             _SIGN_U64, _f32_bits, _iq2_xxs_dot, _iq2_xxs_elem, _iq2_xxs_word,
                             _iq2_xxs_xcol, _ld_u64x2, _mxfp4_dot, _mxfp4_elem, _mxfp4_word,
@@ -116,17 +116,6 @@ def gemv_mxfp4_ref(out, w, x, ids=None):
 # ---- lane-group exchange (the simulator has no shuffles: stage through shared memory) -----------
 if SIMULATOR:
     @cuda.jit(device=True)
-    def _xor_shfl(v, off, scratch):
-        """v of lane (lane ^ off), as float32 (exact for the integers used here, < 2^24); every
-        thread of the block must call it (barriers)."""
-        t = cuda.threadIdx.x
-        scratch[t] = v
-        cuda.syncthreads()
-        r = scratch[t ^ off]
-        cuda.syncthreads()
-        return r
-
-    @cuda.jit(device=True)
     def _slot_sums(part, rs, scratch):
         """part[r] += part[r] of the lanes rs, 2rs, .. apart in the warp (xor butterfly), for
         every row r; staged R_ROWS at a time per barrier pair. Every thread must call it."""
@@ -142,10 +131,6 @@ if SIMULATOR:
             cuda.syncthreads()
             off >>= 1
 else:
-    @cuda.jit(device=True)
-    def _xor_shfl(v, off, scratch):
-        return cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-
     @cuda.jit(device=True)
     def _slot_sums(part, rs, scratch):
         for r in range(R_ROWS):
@@ -227,7 +212,7 @@ def _dp4a_slots_kernel(xcol, dot, slot_cols, table_words, **jit_opts):
             a = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
             off = xw >> 1
             while off > 0:
-                a = max(a, _xor_shfl(a, off, xch))
+                a = max(a, xor_shfl(a, off, xch))
                 off >>= 1
             inv = float32(32000) / a if a > 0 else float32(0)
             q0 = int32(_f32_bits(v0 * inv + float32(12582912.0))) - int32(0x4B400000)
@@ -240,8 +225,8 @@ def _dp4a_slots_kernel(xcol, dot, slot_cols, table_words, **jit_opts):
             lw = (uint32(q0 & 255) | (uint32(q1 & 255) << uint32(8))
                   | (uint32(q2 & 255) << uint32(16)) | (uint32(q3 & 255) << uint32(24)))
             qsum = float32(q0 + q1 + q2 + q3)
-            qsum += _xor_shfl(qsum, 1, xch)
-            qsum += _xor_shfl(qsum, 2, xch)
+            qsum += xor_shfl(qsum, 1, xch)
+            qsum += xor_shfl(qsum, 2, xch)
             if i < K // 4:
                 tab[i] = uint64(hw) | (uint64(lw) << uint64(32))
                 if i % 4 == 0:
@@ -457,7 +442,7 @@ def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | No
     if how is None:
         how = "decode" if (ids is not None or T <= DECODE_MAX_TOKENS) else "gemm"
         how = "naive" if how == "decode" and (nt is None or _FLOAT_X) else how
-        if how == "gemm" and not SIMULATOR and supports(w, K):
+        if how == "gemm" and not SIMULATOR and supports(w):
             gemm_mma(out, w, x, None, None, stream)  # tensor cores
             return
     if how == "naive":

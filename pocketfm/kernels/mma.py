@@ -47,14 +47,13 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from ..quants import GGMLType
+from ..quants import IQ2XXS_GRID, KSIGNS_IQ2XS, GGMLType
 from .bench import BenchCase
-from .device import SIMULATOR, cdiv, kernel
-from .gemv import (_STATE, _bits_f32, _dq_bf16, _dq_f16, _dq_q8_0, _split_partials, _sum_splits,
-                   gemm_splits, gemv_ref)
+from .device import SIMULATOR, cdiv, kernel, xor_shfl
+from .gemv import (_STATE, _bits_f32, _dq_bf16, _dq_f16, _dq_q8_0, _dummies, _split_partials,
+                   _sum_splits, gemm_splits, gemv_ref)
 from .lowbit_layout import (_f32_bits, _half, _iq2_xxs_word, _mxfp4_word, _q2_k_word,
                             _q4_k_word)
-from ..quants import IQ2XXS_GRID, KSIGNS_IQ2XS
 from .qweight import QWeight
 
 KT = 32  # columns per K step (one Q8_0 block; 256-column super-blocks hold 8)
@@ -126,23 +125,7 @@ else:
         return _mma_ptx(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
 
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def _xor_add(v, off, scratch):
-        """v + v of lane (lane ^ off) (simulator: through shared memory; every thread calls)."""
-        t = cuda.threadIdx.x
-        scratch[t] = v
-        cuda.syncthreads()
-        r = v + scratch[t ^ off]
-        cuda.syncthreads()
-        return r
-else:
-    @cuda.jit(device=True)
-    def _xor_add(v, off, scratch):
-        return v + cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-
-
-# ---- bf16 split -----------------------------------------------------------------------------------
+# ---- bf16 split ----------------------------------------------------------------------------------
 @cuda.jit(device=True)
 def _bf16_round(v):
     """The bits of float32 ``v`` rounded to the nearest bf16 (ties to even), in the top half."""
@@ -168,7 +151,7 @@ def split_bf16_ref(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi, rnd(np.asarray(v, np.float32) - hi)
 
 
-# ---- four consecutive columns of a weight row, as float32 (gemv.py's types) ------------------------
+# ---- four consecutive columns of a weight row, as float32 (gemv.py's types) ----------------------
 @cuda.jit(device=True)
 def _f32_word(planes, e, n, c):
     w = planes[0]
@@ -195,7 +178,7 @@ def _q8_0_word(planes, e, n, c):
     return _dq_q8_0(w, 0) * s, _dq_q8_0(w, 1) * s, _dq_q8_0(w, 2) * s, _dq_q8_0(w, 3) * s
 
 
-# ---- pieces both kernels share ----------------------------------------------------------------------
+# ---- pieces both kernels share -------------------------------------------------------------------
 @cuda.jit(device=True)
 def _block_coords(WC, BM, BN, K, ks):
     """This thread's fragment coordinates (g, c), its warp's place (wr, wc) in the WR x WC warp
@@ -249,7 +232,7 @@ def _store_tile(out, acc, rows, n_warp, N, j_warp, MI, NI):
                         out[z, r, na + 8] = acc[q + 2 + h]
 
 
-# ---- the split kernel -----------------------------------------------------------------------------------
+# ---- the split kernel ----------------------------------------------------------------------------
 def _mma_kernel(name: str, word, MI: int, NI: int, WR: int, WC: int):
     """Block tile BM = WR·16·MI weight rows x BN = WC·8·NI tokens; warp (wr, wc) of the WR x WC
     grid owns MI x NI MMA tiles."""
@@ -324,7 +307,7 @@ def _mma_kernel(name: str, word, MI: int, NI: int, WR: int, WC: int):
 
 
 
-# ---- the codes kernel: exact integer weight codes, scales applied per 16 columns ----------------------
+# ---- the codes kernel: exact integer weight codes, scales applied per 16 columns -----------------
 # Q8_0, IQ2_XXS and Q2_K weights are small integers ("codes": int8, ±grid bytes, 0..3) times a
 # scale per 16 or 32 columns (minus a min per 16 for Q2_K). Codes are exact in bf16, so the A
 # operand needs no split: per 16 columns h the MMAs give D = codes · (x_hi + x_lo) (two MMAs,
@@ -477,7 +460,9 @@ def _mma_codes_kernel(name: str, fill, MI: int, NI: int, WR: int, WC: int, TAB: 
                     x_hi[j, 2 * cw], x_lo[j, 2 * cw] = _split_pair(v0, v1)
                     x_hi[j, 2 * cw + 1], x_lo[j, 2 * cw + 1] = _split_pair(v2, v3)
                     if MINS:  # Σx of 16 columns: the 4 lanes cw = 4h .. 4h+3 (BN·8 % nt == 0)
-                        sm = _xor_add(_xor_add((v0 + v1) + (v2 + v3), 1, shf), 2, shf)
+                        sm = (v0 + v1) + (v2 + v3)
+                        sm += xor_shfl(sm, 1, shf)
+                        sm += xor_shfl(sm, 2, shf)
                         if cw % 4 == 0:
                             x_sum[j, cw >> 2] = sm
                 cuda.syncthreads()
@@ -553,7 +538,7 @@ def expert_order(order, ids, n_experts: int, stream=0) -> None:
     _expert_order[1, 64 if SIMULATOR else 1024, stream](order, ids, n_experts)
 
 
-# ---- launcher ---------------------------------------------------------------------------------------
+# ---- launcher ------------------------------------------------------------------------------------
 _WORDS = {GGMLType.F32: ("f32", _f32_word), GGMLType.F16: ("f16", _f16_word),
           GGMLType.BF16: ("bf16", _bf16_word), GGMLType.Q4_K: ("q4_k", _q4_k_word),
           GGMLType.MXFP4: ("mxfp4", _mxfp4_word), GGMLType.Q8_0: ("q8_0", _q8_0_word)}
@@ -572,9 +557,9 @@ for qt, (nm, fill, tw, mins) in _CODES.items():
 NARROW_ROWS_PER_EXPERT = 32  # fewer rows per expert on average: the 16-token tile
 
 
-def supports(w: QWeight, K: int) -> bool:
-    """Whether gemm_mma runs this weight (its type, and whole K steps)."""
-    return w.qtype in _KERNELS and K % KT == 0
+def supports(w: QWeight) -> bool:
+    """Whether gemm_mma runs this weight (its type, and rows of whole K steps)."""
+    return w.qtype in _KERNELS and w.cols % KT == 0
 
 
 def _device_const(key: str, host: np.ndarray):
@@ -592,13 +577,13 @@ def gemm_mma(out, w: QWeight, x, ids=None, order=None, stream=0, split_k=None,
     K splits (default: enough for two blocks per SM; none with ids), ``narrow`` the 16-token
     tile (default: with ids and fewer than NARROW_ROWS_PER_EXPERT rows per expert)."""
     T, N, K = x.shape[0], w.rows, w.cols
-    assert out.shape == (T, N) and supports(w, K), (out.shape, w, x.shape)
+    assert out.shape == (T, N) and supports(w), (out.shape, w, x.shape)
     per_token = ids is not None
     kernels = _KERNELS[w.qtype]
     if narrow is None:
         narrow = per_token and T < NARROW_ROWS_PER_EXPERT * w.experts
     kern, BM, BN = kernels[1 if narrow and len(kernels) > 1 else 0]
-    one = _device_const("mma_zero", np.zeros(1, np.int32))
+    one = _dummies()[0]  # int32 [1]: stands in for absent ids / order
     if per_token and order is None:
         order = _device_const(f"mma_identity_{T}", np.arange(T, dtype=np.int32))
     tab = (_device_const("mma_iq2_tab", _IQ2_TAB) if w.qtype == GGMLType.IQ2_XXS else
@@ -618,7 +603,7 @@ def gemm_mma_ref(out, w: QWeight, x, ids=None, order=None) -> None:
     gemv_ref(out, w, x, ids)
 
 
-# ---- CI lane B and benchmarks -------------------------------------------------------------------------
+# ---- CI lane B and benchmarks --------------------------------------------------------------------
 _PLANES = {  # the planes tuple of each type, as Numba types
     GGMLType.F32: "UniTuple(float32[:, :, ::1], 1)", GGMLType.F16: "UniTuple(int32[:, :, ::1], 1)",
     GGMLType.BF16: "UniTuple(int32[:, :, ::1], 1)",
