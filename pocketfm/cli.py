@@ -13,7 +13,7 @@ from collections import Counter
 import click
 
 from .errors import InputError
-from .plan import plan_command
+from .plan import DEFAULT_PREFILL_CHUNK, plan_command
 
 EMBEDDED_PRESET, EMBEDDED_QUANT, EMBEDDED_SEED = "tiny", "ds4-q2", 0
 MEMORY_MODES = ("lookahead", "global-topk", "full", "recency", "random")  # memory/selection.py
@@ -108,7 +108,8 @@ def main():
                    "one captured CUDA graph over packed device caches (needs QAT on).")
 @click.option("--no-qat", is_flag=True,
               help="Switch off the model's FP8/FP4 round-trips (for fidelity checks).")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=DEFAULT_PREFILL_CHUNK,
+              show_default=True,
               help="Prompt tokens per prefill chunk (cuda: batched GEMMs, the compressors and "
                    "the indexer over the chunk; its buffers grow with it).")
 @click.option("--json", "as_json", is_flag=True,
@@ -319,7 +320,8 @@ def inspect(path, all_keys):
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=DEFAULT_PREFILL_CHUNK,
+              show_default=True,
               help="Tokens per prefill chunk.")
 @click.option("--kv-swap", is_flag=True,
               help="Decode with the CSA KV in a pinned host pool and a lookahead-shaped set "

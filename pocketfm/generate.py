@@ -13,6 +13,7 @@ import numpy as np
 
 from .errors import InputError
 from .model import Forward, RunState
+from .plan import DEFAULT_PREFILL_CHUNK
 from .tokenizer import Tokenizer
 from .weights import load_gguf
 
@@ -174,7 +175,7 @@ class Model:
 
     def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, ctx: int | None = None, chat: bool = False,
-                 prefill_chunk: int = 512, stop_at_eos: bool = True,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, stop_at_eos: bool = True,
                  on_token=None, progress=None, on_prefill=None,
                  memory=None, kv_swap=None, log=None) -> GenerationResult:
         """Prefill ``prompt`` in chunks, then decode up to ``max_tokens`` tokens.

@@ -20,6 +20,7 @@ from ..kernels import device
 from ..kernels.attention import random_packed_kv
 from ..kernels.indexer import random_packed_keys
 from ..kernels.kvpack import index_key_bytes
+from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
 from .decode import DecodeEngine
 from .synthetic_weights import POOL_ROWS, SyntheticSource, tile_rows
@@ -303,7 +304,7 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
 
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
               progress=None, profile: bool = False, prefill: int = 0,
-              prefill_chunk: int = 512, kv_swap: int = 0, interval: int = 64,
+              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
               churn: float = 0.1, lag: int | None = None) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with

@@ -390,7 +390,7 @@ class DecodeEngine:
         """Ingest ``prompt`` and generate up to ``max_tokens`` ids (stopping after ``eos_id``).
 
         The prompt but its last token goes through the chunked prefill (``prefill_chunk``
-        tokens per chunk, default 512; 0: one decode step per token); the decode step then
+        tokens per chunk, default plan.DEFAULT_PREFILL_CHUNK; 0: one decode step per token); the decode step then
         ingests the last one and samples. ``on_prefill(done, total, seconds)`` reports chunks.
         The host looks at the ids every ``sync_every`` steps (streaming them to ``on_token``);
         steps already launched past an end-of-sequence are discarded. ``memory``: a

@@ -257,6 +257,7 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("u", T, D)
     s.add("post", T, HC)
     s.add("comb", T, HC, HC)
+    s.add("hc_mix", T, (2 + HC) * HC)  # HC pre's mix, one GEMM per chunk
     s.add("cq", T, cfg.q_rank)
     s.add("q", T, H, K)
     s.add("kv", T, K)

@@ -45,9 +45,10 @@ from ..kernels.norm_rope import rmsnorm, rope
 from ..kernels.qat import hadamard_fp4, kv_pack
 from . import step_kernels as sk
 from .device_weights import index_weight_scale
+from ..plan import DEFAULT_PREFILL_CHUNK
 from .layout import compressor_widths, prefill_buffer_specs
 
-DEFAULT_CHUNK = 512
+DEFAULT_CHUNK = DEFAULT_PREFILL_CHUNK
 
 
 class ChunkPrefill:
@@ -130,7 +131,7 @@ class ChunkPrefill:
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u, cq, q, kv = self.u[:T], self.cq[:T], self.q[:T], self.kv[:T]
         hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_attn, eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt, **sim)
+               cfg.hc_iters, s, threads=nt, mix=self.hc_mix[:T])
         rmsnorm(u, self.u_in[:T], L.attn_norm, eps, True, s, threads=nt, **sim)
         gemv(cq, L.q_a, u, None, s, threads=nt)
         rmsnorm(cq, cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
@@ -227,7 +228,7 @@ class ChunkPrefill:
         L, nt, sim, k = eng.w.layers[i], eng.nt, eng.sim, cfg.n_experts_used
         v = self.u[:T]
         hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_ffn, cfg.rms_eps,
-               cfg.hc_eps, cfg.hc_iters, s, threads=nt, **sim)
+               cfg.hc_eps, cfg.hc_iters, s, threads=nt, mix=self.hc_mix[:T])
         rmsnorm(v, self.u_in[:T], L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         ids, w = self.route_ids[:T], self.route_w[:T]
         gemv(self.router[:T], L.router, v, None, s, threads=nt)

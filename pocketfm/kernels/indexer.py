@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .. import ops
-from . import device, kvpack
+from . import device, indexer_mma, kvpack
 from .bench import BenchCase
 from .device import cdiv
 
@@ -295,12 +295,26 @@ def _tile_smem(HI: int, DI: int, nt: int) -> int:
     return 4 * (HI * DI + max(CD, HG) * (nt // HG * KT) + 16)
 
 
+def _use_mma(mma, naive: bool, HI: int, DI: int) -> bool:
+    """The tensor-core scorer (indexer_mma.py): by default on a GPU when the geometry fits it;
+    the simulator's engine keeps the register tiles (``mma=True`` forces it, for its tests)."""
+    if naive:
+        return False
+    if mma is None:
+        return not device.SIMULATOR and indexer_mma.fits(HI, DI)
+    return bool(mma)
+
+
 def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=None,
-                         naive: bool = False) -> None:
+                         naive: bool = False, mma=None) -> None:
     """out[T, N] f32 <- q[T, HI, DI] f32, w[T, HI] f32, keys_packed[Ncap, bytes] uint8,
-    n_visible[T] int32 (prefill: one visible count per token; -inf past it)."""
+    n_visible[T] int32 (prefill: one visible count per token; -inf past it). ``naive`` /
+    ``mma`` (True / False / None: pick) choose the kernel."""
     T, HI, DI = q.shape
     N = out.shape[1]
+    if _use_mma(mma, naive, HI, DI):
+        indexer_mma.indexer_scores_chunk_mma(out, q, w, keys_packed, n_visible, stream)
+        return
     if naive:
         nt = threads or 128
         _indexer_scores_naive[min(cdiv(T * N, nt), 4096), nt, stream](out, q, w, keys_packed,
@@ -314,9 +328,12 @@ def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=No
 
 
 def indexer_scores(out, q, w, keys_packed, n_visible, stream=0, threads=None,
-                   naive: bool = False) -> None:
+                   naive: bool = False, mma=None) -> None:
     """Decode form: out[N] f32 <- q[HI, DI], w[HI], keys_packed[Ncap, bytes], n_visible[1]."""
     HI, DI = q.shape
+    if _use_mma(mma, naive, HI, DI):
+        indexer_mma.indexer_scores_mma(out, q, w, keys_packed, n_visible, stream)
+        return
     if naive:
         indexer_scores_chunk(out.reshape(1, out.shape[0]), q.reshape(1, HI, DI),
                              w.reshape(1, HI), keys_packed, n_visible, stream, threads, True)
@@ -680,29 +697,56 @@ def random_packed_keys(rng, n: int, DI: int) -> np.ndarray:
     return out
 
 
+_KIND = {False: "register tiles", True: "tensor cores"}
+
+
 def bench_cases(stream) -> list[BenchCase]:
-    """V4-Flash shapes: HI = 64, DI = 128, k = 512, N = 262,144 (1M context) and 65,536; the
-    prefill top-k over a chunk of T = 512 tokens."""
+    """V4-Flash shapes: HI = 64, DI = 128, k = 512, N = 262,144 (1M context) and 65,536, q on
+    the FP4 grid as the model's (hadamard_fp4); the scorer alone by kernel (register tiles,
+    tensor cores) and with the top-k as the engine runs them; a prefill chunk's scores (T = 256
+    tokens over 65,536 keys) by kernel, and its top-k over a chunk of T = 512 tokens."""
+    from ..numerics import fp4_roundtrip
     rng = np.random.default_rng(0)
     HI, DI, k = 64, 128, 512
     cases = []
+
+    def q_fp4(*shape):
+        return fp4_roundtrip(rng.normal(size=shape), 32).astype(np.float32)
     for N in (262_144, 65_536):
         keys = cuda.to_device(random_packed_keys(rng, N, DI), stream=stream)
-        q = cuda.to_device(rng.normal(size=(HI, DI)).astype(np.float32), stream=stream)
+        q = cuda.to_device(q_fp4(HI, DI), stream=stream)
         w = cuda.to_device((rng.normal(size=HI) / 90.51).astype(np.float32), stream=stream)
         nv = cuda.to_device(np.array([N], np.int32), stream=stream)
         scores = cuda.device_array(N, np.float32, stream=stream)
         idx = cuda.device_array(k, np.int32, stream=stream)
         work = topk_workspace(stream)
+        nbytes = keys.nbytes + q.nbytes + w.nbytes + scores.nbytes
+        for mma in (False, True):
+            def scores_only(scores=scores, q=q, w=w, keys=keys, nv=nv, mma=mma):
+                indexer_scores(scores, q, w, keys, nv, stream=stream, mma=mma)
+            cases.append(BenchCase("indexer", f"indexer_scores {_KIND[mma]} N={N} HI={HI}",
+                                   scores_only, nbytes, flops=2 * N * HI * (DI + 1)))
 
         def launch(scores=scores, q=q, w=w, keys=keys, nv=nv, idx=idx, work=work):
             indexer_scores(scores, q, w, keys, nv, stream=stream)
             topk(idx, scores, nv, k, stream=stream, work=work)
 
-        nbytes = keys.nbytes + q.nbytes + w.nbytes + 2 * scores.nbytes + idx.nbytes
         cases.append(BenchCase("indexer", f"indexer_scores+topk N={N} HI={HI} k={k}", launch,
-                               nbytes, flops=2 * N * HI * (DI + 1),
+                               nbytes + scores.nbytes + idx.nbytes,
+                               flops=2 * N * HI * (DI + 1),
                                target="<= 150 us" if N == 262_144 else ""))
+    T, N = 256, 65_536  # prefill: a chunk's tokens each over (nearly) every key
+    keys = cuda.to_device(random_packed_keys(rng, N, DI), stream=stream)
+    q = cuda.to_device(q_fp4(T, HI, DI), stream=stream)
+    w = cuda.to_device((rng.normal(size=(T, HI)) / 90.51).astype(np.float32), stream=stream)
+    nv = cuda.to_device(np.arange(N - T + 1, N + 1, dtype=np.int32), stream=stream)
+    scores = cuda.device_array((T, N), np.float32, stream=stream)
+    for mma in (False, True):
+        def chunk(scores=scores, q=q, w=w, nv=nv, mma=mma):
+            indexer_scores_chunk(scores, q, w, keys, nv, stream=stream, mma=mma)
+        cases.append(BenchCase("indexer", f"indexer_scores_chunk {_KIND[mma]} T={T} N={N}", chunk,
+                               keys.nbytes + q.nbytes + w.nbytes + scores.nbytes,
+                               flops=2 * T * N * HI * (DI + 1)))
     T = 512  # a prefill chunk ending the context: token t sees N - (T-1-t) entries
     for N in (262_144, 65_536):
         nv_host = np.arange(N - T + 1, N + 1, dtype=np.int32)

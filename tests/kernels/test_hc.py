@@ -35,6 +35,25 @@ def test_hc_pre(naive, HC):
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
 
 
+@pytest.mark.parametrize("T", [3, 7])
+def test_hc_pre_chunk_mix(T):
+    """A prefill chunk: the mix as a GEMM into the ``mix`` workspace (T = 3: gemv's decode
+    kernel; T = 7: its GEMM, the tensor cores on a GPU), then the per-token finish."""
+    rng = fresh_rng()
+    HC, D = 4, 64
+    M = (2 + HC) * HC
+    X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, *_f64(X, fn, base, scale), 1e-6, 1e-6, 20)
+    u, post, comb = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC))
+    mix = poisoned((T, M))
+    hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+              threads=THREADS, mix=mix)
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+    assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
+    assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
 def test_hc_pre_tiny_hidden_falls_back():
     """D too small to park the partials in out_u: the launcher runs the naive kernel."""
     rng = fresh_rng()

@@ -35,7 +35,7 @@ def test_indexer_scores_decode(naive):
     ix.indexer_scores_ref(ref[0], q[0].astype(np.float64), w[0].astype(np.float64), keys, nv)
     out = poisoned(N)
     ix.indexer_scores(out, cuda.to_device(q[0]), cuda.to_device(w[0]), cuda.to_device(keys),
-                      cuda.to_device(nv), threads=THREADS, naive=naive)
+                      cuda.to_device(nv), threads=THREADS, naive=naive, mma=False)
     check_scores(out.copy_to_host()[None], ref, [n])
 
 
@@ -60,7 +60,7 @@ def test_indexer_scores_chunk(naive):
     ix.indexer_scores_chunk_ref(ref, q.astype(np.float64), w.astype(np.float64), keys, nv)
     out = poisoned((T, N))
     ix.indexer_scores_chunk(out, cuda.to_device(q), cuda.to_device(w), cuda.to_device(keys),
-                            cuda.to_device(nv), threads=THREADS, naive=naive)
+                            cuda.to_device(nv), threads=THREADS, naive=naive, mma=False)
     check_scores(out.copy_to_host(), ref, nv)
 
 
@@ -74,7 +74,7 @@ def test_indexer_scores_many_tiles():
     ix.indexer_scores_ref(ref[0], q[0].astype(np.float64), w[0].astype(np.float64), keys, nv)
     out = poisoned(ncap)
     ix.indexer_scores(out, cuda.to_device(q[0]), cuda.to_device(w[0]), cuda.to_device(keys),
-                      cuda.to_device(nv), threads=THREADS)
+                      cuda.to_device(nv), threads=THREADS, mma=False)
     check_scores(out.copy_to_host()[None], ref, [n])
 
 

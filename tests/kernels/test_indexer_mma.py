@@ -1,0 +1,70 @@
+"""The tensor-core indexer scorer vs the NumPy reference (the MMA emulated per warp in the
+simulator; the real mma.sync on a GPU with NUMBA_ENABLE_CUDASIM=0)."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels.kernel_testing import fresh_rng, poisoned
+from kernels.test_indexer import check_scores
+from pocketfm.kernels import indexer as ix
+from pocketfm.kernels import indexer_mma
+from pocketfm.kernels.device import SIMULATOR
+from pocketfm.numerics import fp4_roundtrip
+
+
+def _inputs(rng, T, HI, DI, ncap, fp4_q):
+    """Random packed keys; q either on the FP4 grid, as the model's (hadamard_fp4 output: the
+    lo halves are zero, one MMA per tile), or any float32 (hi + lo, two MMAs)."""
+    keys = ix.random_packed_keys(rng, ncap, DI)
+    q = rng.normal(size=(T, HI, DI))
+    q = (fp4_roundtrip(q, 32) if fp4_q else q).astype(np.float32)
+    w = rng.normal(size=(T, HI)).astype(np.float32)
+    return q, w, keys
+
+
+@pytest.mark.parametrize("HI,DI,fp4_q", [(16, 128, True), (32, 128, False), (16, 64, False)])
+def test_scores_decode(HI, DI, fp4_q):
+    rng = fresh_rng()
+    ncap, N, n = 75, 71, 69  # three 32-key steps over two blocks; the last one partly visible
+    q, w, keys = _inputs(rng, 1, HI, DI, ncap, fp4_q)
+    nv = np.array([n], np.int32)
+    ref = np.empty((1, N))
+    ix.indexer_scores_ref(ref[0], q[0].astype(np.float64), w[0].astype(np.float64), keys, nv)
+    out = poisoned(N)
+    ix.indexer_scores(out, cuda.to_device(q[0]), cuda.to_device(w[0]), cuda.to_device(keys),
+                      cuda.to_device(nv), mma=True)
+    check_scores(out.copy_to_host()[None], ref, [n])
+
+
+def test_scores_chunk():
+    rng = fresh_rng()
+    T, HI, DI, ncap, N = 3, 16, 128, 70, 70
+    q, w, keys = _inputs(rng, T, HI, DI, ncap, True)
+    nv = np.array([5, 40, 70], np.int32)  # a token sees keys of the first step only: -inf after
+    ref = np.empty((T, N))
+    ix.indexer_scores_chunk_ref(ref, q.astype(np.float64), w.astype(np.float64), keys, nv)
+    out = poisoned((T, N))
+    ix.indexer_scores_chunk(out, cuda.to_device(q), cuda.to_device(w), cuda.to_device(keys),
+                            cuda.to_device(nv), mma=True)
+    check_scores(out.copy_to_host(), ref, nv)
+
+
+def test_fits():
+    assert indexer_mma.fits(64, 128) and indexer_mma.fits(16, 64)
+    assert not indexer_mma.fits(8, 128)  # fewer heads than one MMA's 16 rows
+    assert not indexer_mma.fits(64, 48)  # not whole 32-dim FP4 blocks
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash size: GPU only")
+@pytest.mark.parametrize("fp4_q", [True, False])
+def test_scores_v4_size(fp4_q):
+    rng = fresh_rng()
+    ncap, n = 100_000, 90_001
+    q, w, keys = _inputs(rng, 1, 64, 128, ncap, fp4_q)
+    nv = np.array([n], np.int32)
+    ref = np.empty((1, ncap))
+    ix.indexer_scores_ref(ref[0], q[0].astype(np.float64), w[0].astype(np.float64), keys, nv)
+    out = poisoned(ncap)
+    ix.indexer_scores(out, cuda.to_device(q[0]), cuda.to_device(w[0]), cuda.to_device(keys),
+                      cuda.to_device(nv), mma=True)
+    check_scores(out.copy_to_host()[None], ref, [n])
