@@ -183,18 +183,9 @@ def _kernels(DI: int):
     return _KERNELS[DI]
 
 
-_RESIDENT: dict = {}
-
-
 def _resident(kern, args, nt: int) -> int:
-    key = (kern, nt)
-    if key not in _RESIDENT:
-        if SIMULATOR:
-            _RESIDENT[key] = 2  # enough to test the grid stride
-        else:
-            compiled = kern.compile(tuple(kern.typeof_pyval(a) for a in args))
-            _RESIDENT[key] = compiled.max_cooperative_grid_blocks(nt)
-    return _RESIDENT[key]
+    from .indexer import resident_blocks  # (indexer.py dispatches to this module)
+    return resident_blocks(kern, args, nt, 0)
 
 
 def indexer_scores_mma(out, q, w, keys_packed, n_visible, stream=0) -> None:

@@ -27,9 +27,9 @@ tiles are filled row by row. Fragment of lane (g = lane / 4, c = lane % 4), PTX 
 (token g, pair c), (g, c+4); C = (row g, tokens 2c, 2c+1), (row g+8, tokens 2c, 2c+1). LDW = 20
 words per row: the 32 lanes' fragment reads g·20 + c land in 32 different banks.
 
-Two kernels per type: the split kernel above (every type; dense Q8_0 too), and for the types
-whose weights are small integer codes times a scale (Q8_0, IQ2_XXS, Q2_K) a "codes" kernel with
-exact bf16 codes and two MMAs per tile (see _mma_codes_kernel).
+Two kernels: the split kernel above for F32/F16/BF16/Q4_K/MXFP4, and for the types whose
+weights are small integer codes times a scale (Q8_0, IQ2_XXS, Q2_K) a "codes" kernel with
+exact bf16 codes and two MMAs per tile (see _mma_codes_kernel): only x is rounded.
 
 Expert-indexed rows (``ids``: the MoE's (token, expert) rows, the grouped output projection's
 (group, token) rows): ``order`` lists the rows grouped by expert (``expert_order``), a tile
@@ -168,14 +168,6 @@ def _f16_word(planes, e, n, c):
 def _bf16_word(planes, e, n, c):
     w0, w1 = planes[0][e, n, 2 * c], planes[0][e, n, 2 * c + 1]
     return _dq_bf16(w0, 0), _dq_bf16(w0, 1), _dq_bf16(w1, 0), _dq_bf16(w1, 1)
-
-
-@cuda.jit(device=True)
-def _q8_0_word(planes, e, n, c):
-    qs, d = planes
-    w = qs[e, n, c]
-    s = float32(d[e, n, c >> 3])
-    return _dq_q8_0(w, 0) * s, _dq_q8_0(w, 1) * s, _dq_q8_0(w, 2) * s, _dq_q8_0(w, 3) * s
 
 
 # ---- pieces both kernels share -------------------------------------------------------------------
@@ -541,19 +533,21 @@ def expert_order(order, ids, n_experts: int, stream=0) -> None:
 # ---- launcher ------------------------------------------------------------------------------------
 _WORDS = {GGMLType.F32: ("f32", _f32_word), GGMLType.F16: ("f16", _f16_word),
           GGMLType.BF16: ("bf16", _bf16_word), GGMLType.Q4_K: ("q4_k", _q4_k_word),
-          GGMLType.MXFP4: ("mxfp4", _mxfp4_word), GGMLType.Q8_0: ("q8_0", _q8_0_word)}
+          GGMLType.MXFP4: ("mxfp4", _mxfp4_word)}
 _CODES = {GGMLType.Q8_0: ("q8_0", _q8_0_codes, 0, False),
           GGMLType.Q2_K: ("q2_k", _q2_k_codes, 0, True),
           GGMLType.IQ2_XXS: ("iq2_xxs", _iq2_xxs_codes, IQ2_TAB_WORDS, False)}
 # (wide, narrow) per type: 64 weight rows x 64 tokens (2 x 2 warps of 32 x 32) for shared
 # weights; 64 x 16 (4 warps of 16 x 16) for expert rows, ~12 per expert in a 512-token MoE
-# chunk. Q8_0's wide tile is the split kernel: 23.8 TFLOP/s on attn_q_b against 17.8 for its
-# codes kernel (H200, 2026-12-01), whose narrow tile serves expert rows.
+# chunk. Q8_0 takes its codes kernel for both although the split kernel runs dense Q8_0 faster
+# (H200 2026-12-01, attn_q_b: 23.8 TFLOP/s against 17.8): a weight q·d carries up to 19
+# significant bits, so its hi + lo split rounds it (2^-17), while the codes are exact; on
+# `small` after a 1K prompt that was 30 of 64 greedy steps above the 1e-3 logits bar and a
+# token flip at step 36 (split) against none above it and 64 / 64 equal tokens (codes).
 _KERNELS = {qt: [_mma_kernel(nm, wd, 2, 4, 2, 2)] for qt, (nm, wd) in _WORDS.items()}
 for qt, (nm, fill, tw, mins) in _CODES.items():
-    if qt not in _KERNELS:
-        _KERNELS[qt] = [_mma_codes_kernel(nm, fill, 2, 4, 2, 2, tw, mins)]
-    _KERNELS[qt].append(_mma_codes_kernel(nm, fill, 1, 2, 4, 1, tw, mins))
+    _KERNELS[qt] = [_mma_codes_kernel(nm, fill, 2, 4, 2, 2, tw, mins),
+                    _mma_codes_kernel(nm, fill, 1, 2, 4, 1, tw, mins)]
 NARROW_ROWS_PER_EXPERT = 32  # fewer rows per expert on average: the 16-token tile
 
 

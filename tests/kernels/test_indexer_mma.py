@@ -22,10 +22,8 @@ def _inputs(rng, T, HI, DI, ncap, fp4_q):
     return q, w, keys
 
 
-@pytest.mark.parametrize("HI,DI,fp4_q", [(16, 128, True), (32, 128, False), (16, 64, False)])
-def test_scores_decode(HI, DI, fp4_q):
+def _check_decode(HI, DI, ncap, N, n, fp4_q):
     rng = fresh_rng()
-    ncap, N, n = 75, 71, 69  # three 32-key steps over two blocks; the last one partly visible
     q, w, keys = _inputs(rng, 1, HI, DI, ncap, fp4_q)
     nv = np.array([n], np.int32)
     ref = np.empty((1, N))
@@ -36,11 +34,17 @@ def test_scores_decode(HI, DI, fp4_q):
     check_scores(out.copy_to_host()[None], ref, [n])
 
 
+@pytest.mark.parametrize("HI,DI,fp4_q", [(16, 128, True), (32, 128, False), (16, 64, False)])
+def test_scores_decode(HI, DI, fp4_q):
+    # ten 32-key steps over the simulator's blocks, the last one partly visible
+    _check_decode(HI, DI, ncap=300, N=290, n=261, fp4_q=fp4_q)
+
+
 def test_scores_chunk():
     rng = fresh_rng()
-    T, HI, DI, ncap, N = 3, 16, 128, 70, 70
+    T, HI, DI, ncap, N = 3, 16, 128, 200, 200
     q, w, keys = _inputs(rng, T, HI, DI, ncap, True)
-    nv = np.array([5, 40, 70], np.int32)  # a token sees keys of the first step only: -inf after
+    nv = np.array([5, 130, 200], np.int32)  # token 0: steps past its keys only fill -inf
     ref = np.empty((T, N))
     ix.indexer_scores_chunk_ref(ref, q.astype(np.float64), w.astype(np.float64), keys, nv)
     out = poisoned((T, N))
@@ -58,13 +62,4 @@ def test_fits():
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash size: GPU only")
 @pytest.mark.parametrize("fp4_q", [True, False])
 def test_scores_v4_size(fp4_q):
-    rng = fresh_rng()
-    ncap, n = 100_000, 90_001
-    q, w, keys = _inputs(rng, 1, 64, 128, ncap, fp4_q)
-    nv = np.array([n], np.int32)
-    ref = np.empty((1, ncap))
-    ix.indexer_scores_ref(ref[0], q[0].astype(np.float64), w[0].astype(np.float64), keys, nv)
-    out = poisoned(ncap)
-    ix.indexer_scores(out, cuda.to_device(q[0]), cuda.to_device(w[0]), cuda.to_device(keys),
-                      cuda.to_device(nv), mma=True)
-    check_scores(out.copy_to_host()[None], ref, [n])
+    _check_decode(64, 128, ncap=100_000, N=100_000, n=90_001, fp4_q=fp4_q)
