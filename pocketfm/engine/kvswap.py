@@ -142,9 +142,10 @@ class EngineSwap:
         the staged keys (then put back through the LUT), or over the pool in direct steps."""
         from ..kernels.indexer import indexer_scores
 
-        if not self.staged:
+        if not self.staged:  # the pool is host memory, read over the bus: the register-tile
+            # kernel reads each key once per block, the tensor-core one once per warp
             indexer_scores(scores, q, w, self.key_pool_views[layer], n_visible, stream=stream,
-                           threads=threads)
+                           threads=threads, mma=False)
             return
         indexer_scores(self.slot_scores, q, w, self.key_staging[self.krank[layer]],
                        self.n_slots, stream=stream, threads=threads)

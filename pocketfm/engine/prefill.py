@@ -199,6 +199,9 @@ class ChunkPrefill:
         HI, DI, u = cfg.index_heads, cfg.index_dim, self.u[:T]
         ia, ig = (x[:T] for x in self.idx_in)
         keys = eng.keys_of(i)  # (KV swap, a non-target layer: its rows of the host key pool)
+        # host-pool keys keep the register tiles (each key read once per block over the bus,
+        # not once per warp); device keys: the launcher's choice (tensor cores on a GPU)
+        use_mma = False if c.index_keys is None else None
         gemv(ia, L.idx_kv, u, None, s, threads=nt)
         gemv(ig, L.idx_gate, u, None, s, threads=nt)
         compressor_chunk(c.index_kv, c.index_score, ia, ig, L.idx_ape, self.pos0, c.ratio, True,
@@ -216,8 +219,8 @@ class ChunkPrefill:
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             scores = self.scores[:(t1 - t0) * n_keys].reshape(t1 - t0, n_keys)
-            indexer_scores_chunk(scores, qi_rot[t0:t1], w[t0:t1], keys,
-                                 visible[t0:t1], stream=s, threads=nt)
+            indexer_scores_chunk(scores, qi_rot[t0:t1], w[t0:t1], keys, visible[t0:t1],
+                                 stream=s, threads=nt, mma=use_mma)
             topk_chunk(sel[t0:t1], scores, visible[t0:t1], cfg.index_topk, stream=s,
                        threads=nt)
         sk.sort_selected(sel, s)  # a repeatable order for the attention's sums
