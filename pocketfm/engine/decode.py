@@ -43,6 +43,7 @@ from ..kernels.indexer import indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rope
 from ..kernels.qat import hadamard_fp4, kv_pack
+from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
 from ..weights import Weights
 from .device_weights import DeviceWeights, GGUFSource, index_weight_scale
@@ -357,9 +358,9 @@ class DecodeEngine:
     def prefill(self, chunk: int = 0):
         """The chunked prefill of this engine (buffers allocated on first use, for ``chunk``
         tokens; a different size reallocates them)."""
-        from .prefill import DEFAULT_CHUNK, ChunkPrefill
+        from .prefill import ChunkPrefill
 
-        chunk = chunk or DEFAULT_CHUNK
+        chunk = chunk or DEFAULT_PREFILL_CHUNK
         if self._prefill is None or self._prefill.T != chunk:
             self._prefill = None
             self._prefill = ChunkPrefill(self, chunk)
@@ -390,8 +391,9 @@ class DecodeEngine:
         """Ingest ``prompt`` and generate up to ``max_tokens`` ids (stopping after ``eos_id``).
 
         The prompt but its last token goes through the chunked prefill (``prefill_chunk``
-        tokens per chunk, default plan.DEFAULT_PREFILL_CHUNK; 0: one decode step per token); the decode step then
-        ingests the last one and samples. ``on_prefill(done, total, seconds)`` reports chunks.
+        tokens per chunk, default plan.DEFAULT_PREFILL_CHUNK; 0: one decode step per token);
+        the decode step then ingests the last one and samples. ``on_prefill(done, total,
+        seconds)`` reports chunks.
         The host looks at the ids every ``sync_every`` steps (streaming them to ``on_token``);
         steps already launched past an end-of-sequence are discarded. ``memory``: a
         ``memory.MemoryIndexer`` (its cycles run between replays, see engine/memory.py).

@@ -43,18 +43,16 @@ from ..kernels.mma import expert_order, gemm_mma, supports
 from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
 from ..kernels.norm_rope import rmsnorm, rope
 from ..kernels.qat import hadamard_fp4, kv_pack
+from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
 from .device_weights import index_weight_scale
-from ..plan import DEFAULT_PREFILL_CHUNK
 from .layout import compressor_widths, prefill_buffer_specs
-
-DEFAULT_CHUNK = DEFAULT_PREFILL_CHUNK
 
 
 class ChunkPrefill:
     """Prefill for one ``DecodeEngine`` (its weights and caches), chunks of up to ``chunk``."""
 
-    def __init__(self, eng, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, eng, chunk: int = DEFAULT_PREFILL_CHUNK):
         self.eng, self.cfg, self.T = eng, eng.cfg, int(chunk)
         self._alloc()
         self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
