@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
+from ..kernels.mma import expert_tiles_capacity
 
 COMPONENTS = ("window", "c4_kv_resident", "c4_kv_staged", "c4_kv_pool", "c128_kv",
               "compressor_state", "indexer_keys", "indexer_keys_staged", "indexer_keys_pool",
@@ -289,6 +290,9 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("route_w", T, k)
     s.add("route_ids", T, k, dtype=i32)
     s.add("route_order", T * k, dtype=i32)  # the (token, expert) rows grouped by expert
+    # ... and cut into tiles of one expert each (mma.expert_order's tiles, always whole: a
+    # shorter chunk needs fewer, and the spare ones are empty)
+    s.add("route_tiles", 2, expert_tiles_capacity(T * k, cfg.n_experts), dtype=i32)
     s.add("x_rep", T * k, D)
     s.add("gate_up", T * k, 2 * F)
     s.add("h", T * k, F)

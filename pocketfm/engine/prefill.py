@@ -245,14 +245,14 @@ class ChunkPrefill:
         # is filled once for all its rows (the simulator keeps the expert-indexed GEMV)
         grouped = not SIMULATOR and supports(L.gate_up) and supports(L.down)
         if grouped:
-            order = self.route_order[:Tk]
-            expert_order(order, flat_ids, L.gate_up.experts, s)
-            gemm_mma(gu, L.gate_up, x_rep, flat_ids, order, s)
+            order, tiles = self.route_order[:Tk], self.route_tiles
+            expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
+            gemm_mma(gu, L.gate_up, x_rep, flat_ids, order, s, tiles=tiles)
         else:
             gemv(gu, L.gate_up, x_rep, flat_ids, s, threads=nt)
         swiglu_fused(h, gu, w.reshape(Tk), cfg.swiglu_clamp[i], s, threads=nt)
         if grouped:
-            gemm_mma(down, L.down, h, flat_ids, order, s)
+            gemm_mma(down, L.down, h, flat_ids, order, s, tiles=tiles)
         else:
             gemv(down, L.down, h, flat_ids, s, threads=nt)
         shared = self.sh_down[:T]  # stays zero when the model has no shared expert

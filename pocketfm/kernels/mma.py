@@ -36,8 +36,11 @@ Expert-indexed rows (``ids``: the MoE's (token, expert) rows, the grouped output
 takes BN consecutive entries of it and loops over the experts present in the tile in
 increasing order; in expert e's pass the rows of other experts hold x = 0, so each output gets
 exactly its own expert's product (the others add exact zeros). Grouped rows make that one or
-two passes per tile. The MoE uses 16-token tiles (~12 rows per expert in a 512-token chunk),
-shared weights 64 x 64.
+two passes per tile. The prefill's MoE goes further: expert_order also cuts each expert's
+group into tiles of at most EXPERT_TILE = 32 rows (``tiles``), and block y takes tile y, so
+every block makes one pass and fills its expert's weight tile for up to 32 rows (~24 rows per
+expert in a 1,024-token chunk: about one fill per expert; tiles cut anywhere in ``order`` made
+~2.5). Shared weights: 64 x 64 tiles.
 
 In the simulator an MMA is emulated per warp through shared memory (every thread of the block
 must call it, as with the shuffles elsewhere); sizes stay tiny there.
@@ -62,6 +65,8 @@ THREADS = 128  # 4 warps per block
 XCH = 128 * 6 if SIMULATOR else 1  # simulator MMA exchange: 6 fragment words per thread
 SHF = 128 if SIMULATOR else 1  # simulator lane exchange
 MAX_E = 1024  # experts expert_order can count in shared memory
+EXPERT_TILE = 32  # rows of one expert per tile with expert_order's tiles (the narrow kernel's BN)
+ALIGNED = 2  # per_token value of a launch over expert_order's tiles (1: BN entries of order)
 
 # ---- the MMA instruction ------------------------------------------------------------------------
 if SIMULATOR:
@@ -182,12 +187,17 @@ def _block_coords(WC, BM, BN, K, ks):
 
 
 @cuda.jit(device=True)
-def _tile_rows(rows, exps, ids, order, per_token, i0, T):
-    """rows[j], exps[j]: the x / out row of the tile's entry j and its expert (-1: past T)."""
+def _tile_rows(rows, exps, ids, order, tiles, per_token, i0, T):
+    """rows[j], exps[j]: the x / out row of the tile's entry j and its expert (-1: none).
+    The tile is entries [i0, i0 + BN) of ``order``, or with per_token == ALIGNED the entries
+    [tiles[0, y], tiles[1, y]): one expert's rows (expert_order's tiles)."""
+    first, end = i0, T
+    if per_token == ALIGNED:
+        first, end = tiles[0, cuda.blockIdx.y], tiles[1, cuda.blockIdx.y]
     for j in range(cuda.threadIdx.x, rows.shape[0], cuda.blockDim.x):
         r, ex = -1, -1
-        if i0 + j < T:
-            r = order[i0 + j] if per_token else i0 + j
+        if first + j < end:
+            r = order[first + j] if per_token else first + j
             ex = ids[r] if per_token else 0
         rows[j], exps[j] = r, ex
     cuda.syncthreads()
@@ -233,7 +243,7 @@ def _mma_kernel(name: str, word, MI: int, NI: int, WR: int, WC: int):
     WPR = KT // 4  # 4-column words per row per K step
     N_ACC = MI * NI * 4
 
-    def k(out, planes, x, ids, order, tab_g, per_token, N, K, ks):
+    def k(out, planes, x, ids, order, tiles, tab_g, per_token, N, K, ks):
         # out [S, T, N]; grid (N / BM, T / BN, S): split s sums columns [s·ks, (s+1)·ks)
         T = x.shape[0]
         tid, nt = cuda.threadIdx.x, cuda.blockDim.x
@@ -248,7 +258,7 @@ def _mma_kernel(name: str, word, MI: int, NI: int, WR: int, WC: int):
         acc = cuda.local.array(N_ACC, float32)
         for i in range(N_ACC):
             acc[i] = float32(0)
-        _tile_rows(rows, exps, ids, order, per_token, i0, T)
+        _tile_rows(rows, exps, ids, order, tiles, per_token, i0, T)
         e_prev = -1
         while True:  # one pass per expert present in the tile, in increasing order
             e = _next_expert(exps, e_prev)
@@ -307,7 +317,10 @@ def _mma_kernel(name: str, word, MI: int, NI: int, WR: int, WC: int):
 # work on the packed words (no float dequantisation per weight): these types' tiles fill
 # several times faster than through ``word``, and they are the bulk of a ds4 file.
 #
-# fill(planes, e, n, k, tab) -> (8 bf16 code pairs of row n, columns k .. k+15; s; m)
+# Per type two functions, so that the kernel can issue the next K step's global loads before
+# this step's MMAs (the loads' latency hides behind them):
+#   load(planes, e, n, k) -> raw: the words that hold row n, columns k .. k+15 (global reads)
+#   codes(raw, k, tab) -> (8 bf16 code pairs of those columns; s; m): bit work only
 
 @cuda.jit(device=True)
 def _bf16_bits(v):
@@ -316,10 +329,15 @@ def _bf16_bits(v):
 
 
 @cuda.jit(device=True)
-def _q8_0_codes(planes, e, n, k, tab):
+def _q8_0_load(planes, e, n, k):
     qs, d = planes
-    w0, w1 = qs[e, n, k >> 2], qs[e, n, (k >> 2) + 1]
-    w2, w3 = qs[e, n, (k >> 2) + 2], qs[e, n, (k >> 2) + 3]
+    return (qs[e, n, k >> 2], qs[e, n, (k >> 2) + 1], qs[e, n, (k >> 2) + 2],
+            qs[e, n, (k >> 2) + 3], float32(d[e, n, k >> 5]))
+
+
+@cuda.jit(device=True)
+def _q8_0_codes(raw, k, tab):
+    w0, w1, w2, w3, d = raw
     p = (_bf16_bits(_dq_q8_0(w0, 0)) | (_bf16_bits(_dq_q8_0(w0, 1)) << uint32(16)),
          _bf16_bits(_dq_q8_0(w0, 2)) | (_bf16_bits(_dq_q8_0(w0, 3)) << uint32(16)),
          _bf16_bits(_dq_q8_0(w1, 0)) | (_bf16_bits(_dq_q8_0(w1, 1)) << uint32(16)),
@@ -328,7 +346,7 @@ def _q8_0_codes(planes, e, n, k, tab):
          _bf16_bits(_dq_q8_0(w2, 2)) | (_bf16_bits(_dq_q8_0(w2, 3)) << uint32(16)),
          _bf16_bits(_dq_q8_0(w3, 0)) | (_bf16_bits(_dq_q8_0(w3, 1)) << uint32(16)),
          _bf16_bits(_dq_q8_0(w3, 2)) | (_bf16_bits(_dq_q8_0(w3, 3)) << uint32(16)))
-    return p, float32(d[e, n, k >> 5]), float32(0)
+    return p, d, float32(0)
 
 
 # IQ2_XXS: the 256 grid rows as bf16 pairs of magnitudes (4 words a row), then KSIGNS as words;
@@ -349,16 +367,21 @@ def _iq2_xxs_pairs(tab, idx, signs, p):
 
 
 @cuda.jit(device=True)
-def _iq2_xxs_codes(planes, e, n, k, tab):
+def _iq2_xxs_load(planes, e, n, k):
     qs, d = planes
-    w = qs[e, n, k >> 5]
+    return qs[e, n, k >> 5], float32(d[e, n, k >> 8])
+
+
+@cuda.jit(device=True)
+def _iq2_xxs_codes(raw, k, tab):
+    w, d = raw
     grids, sw = _half(w, 0), _half(w, 1)
     sub = (k >> 3) & 2  # the first of the two 8-column sub-groups
     i0 = int32((grids >> uint32(8 * sub)) & uint32(255))
     i1 = int32((grids >> uint32(8 * sub + 8)) & uint32(255))
     s0 = tab[1024 + int32((sw >> uint32(7 * sub)) & uint32(127))]
     s1 = tab[1024 + int32((sw >> uint32(7 * sub + 7)) & uint32(127))]
-    db = float32(d[e, n, k >> 8]) * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
+    db = d * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
     p = (_iq2_xxs_pairs(tab, i0, s0, 0), _iq2_xxs_pairs(tab, i0, s0, 1),
          _iq2_xxs_pairs(tab, i0, s0, 2), _iq2_xxs_pairs(tab, i0, s0, 3),
          _iq2_xxs_pairs(tab, i1, s1, 0), _iq2_xxs_pairs(tab, i1, s1, 1),
@@ -381,30 +404,58 @@ def _bf16_of_q(q):
 
 
 @cuda.jit(device=True)
-def _q2_k_codes(planes, e, n, k, tab):
+def _q2_k_load(planes, e, n, k):
     qs, sc, dm = planes
     s, i = k >> 8, k & 255
-    h, j, l0 = i >> 7, (i >> 5) & 3, i & 16
-    a = qs[e, n, s * 8 + ((32 * h + l0) >> 3)]
-    b = qs[e, n, s * 8 + ((32 * h + l0) >> 3) + 1]
-    sb = int32((sc[e, n, s * 4 + 2 * h + (l0 >> 4)] >> uint32(8 * j)) & uint32(255))
+    h, l0 = i >> 7, i & 16
+    q = s * 8 + ((32 * h + l0) >> 3)
+    return (qs[e, n, q], qs[e, n, q + 1], sc[e, n, s * 4 + 2 * h + (l0 >> 4)],
+            float32(dm[e, n, 2 * s]), float32(dm[e, n, 2 * s + 1]))
+
+
+@cuda.jit(device=True)
+def _q2_k_codes(raw, k, tab):
+    a, b, scw, d, dmin = raw
+    j = (k >> 5) & 3
+    sb = int32((scw >> uint32(8 * j)) & uint32(255))
     p = (_q2_pair(a, j, 0), _q2_pair(a, j, 2), _q2_pair(a, j, 4), _q2_pair(a, j, 6),
          _q2_pair(b, j, 0), _q2_pair(b, j, 2), _q2_pair(b, j, 4), _q2_pair(b, j, 6))
-    return (p, float32(dm[e, n, 2 * s]) * float32(sb & 15),
-            float32(dm[e, n, 2 * s + 1]) * float32(sb >> 4))
+    return p, d * float32(sb & 15), dmin * float32(sb >> 4)
 
 
-def _mma_codes_kernel(name: str, fill, MI: int, NI: int, WR: int, WC: int, TAB: int,
+@cuda.jit(device=True)
+def _load_x(xv, x, rows, exps, e, k0, tid, XPT):
+    """xv[4u .. 4u+3] <- the 4 x columns of tile word tid + u·THREADS at K step k0 (zeros for
+    rows of other experts or none)."""
+    for u in range(XPT):
+        idx = tid + u * THREADS
+        j, cw = idx // (KT // 4), idx % (KT // 4)
+        r, col = rows[j], k0 + 4 * cw
+        v0, v1, v2, v3 = float32(0), float32(0), float32(0), float32(0)
+        if r >= 0 and exps[j] == e:
+            v0, v1, v2, v3 = x[r, col], x[r, col + 1], x[r, col + 2], x[r, col + 3]
+        xv[4 * u], xv[4 * u + 1], xv[4 * u + 2], xv[4 * u + 3] = v0, v1, v2, v3
+
+
+def _mma_codes_kernel(name: str, load, codes, MI: int, NI: int, WR: int, WC: int, TAB: int,
                       MINS: bool):
-    """As _mma_kernel, for a type with a ``fill`` (codes): one code plane, scales per 16
-    columns, two MMAs per tile; ``TAB`` words of ``tab`` (global) copied into shared first;
-    ``MINS``: the type subtracts a min per 16 columns (Q2_K), so the tile needs Σx."""
+    """As _mma_kernel, for a type with codes (``load`` + ``codes``): one code plane, scales per
+    16 columns, two MMAs per tile; ``TAB`` words of ``tab`` (global) copied into shared first;
+    ``MINS``: the type subtracts a min per 16 columns (Q2_K), so the tile needs Σx.
+
+    Each thread fills one (row, 16 columns) of the weight tile and XPT 4-column words of x per
+    K step (BM = 64 rows: 2 x 64 = the block's 128 threads). The next step's weight words and x
+    are loaded into registers right after this step's tile is in shared memory, so their
+    global latency overlaps the MMAs instead of stalling the fill."""
     WM, WN = 16 * MI, 8 * NI
     BM, BN = WR * WM, WC * WN
     N_ACC = MI * NI * 4
     N_TAB = max(TAB, 1)
+    XPT = BN * (KT // 4) // THREADS  # x words per thread per K step
+    assert 2 * BM == THREADS and XPT * THREADS == BN * (KT // 4), (BM, BN)
+    N_XV = 4 * XPT
 
-    def k(out, planes, x, ids, order, tab_g, per_token, N, K, ks):
+    def k(out, planes, x, ids, order, tiles, tab_g, per_token, N, K, ks):
         T = x.shape[0]
         tid, nt = cuda.threadIdx.x, cuda.blockDim.x
         g, c, wr, wc, n0, i0, kb, ke = _block_coords(WC, BM, BN, K, ks)
@@ -420,44 +471,47 @@ def _mma_codes_kernel(name: str, fill, MI: int, NI: int, WR: int, WC: int, TAB: 
         xch = cuda.shared.array(XCH, np.int64)
         shf = cuda.shared.array(SHF, float32)
         acc = cuda.local.array(N_ACC, float32)
+        xv = cuda.local.array(N_XV, float32)  # this thread's x words of the next K step
         for i in range(N_ACC):
             acc[i] = float32(0)
         for i in range(tid, TAB, nt):
             tab[i] = tab_g[i]
-        _tile_rows(rows, exps, ids, order, per_token, i0, T)
+        _tile_rows(rows, exps, ids, order, tiles, per_token, i0, T)
+        rf, hf = tid >> 1, tid & 1  # this thread's weight row and 16 columns in the tile
+        nf = min(n0 + rf, N - 1)  # rows past N load row N - 1 and store zeros
         e_prev = -1
         while True:
             e = _next_expert(exps, e_prev)
             if e == 1 << 30:
                 break
+            raw = load(planes, e, nf, kb + 16 * hf)
+            _load_x(xv, x, rows, exps, e, kb, tid, XPT)
             for k0 in range(kb, ke, KT):
-                for idx in range(tid, 2 * BM, nt):  # a thread per (row, 16 columns)
-                    r, h = idx >> 1, idx & 1
-                    n = n0 + r
-                    if n < N:
-                        p, sc, mn = fill(planes, e, n, k0 + 16 * h, tab)
-                        for q in range(8):
-                            w_c[r, 8 * h + q] = p[q]
-                        w_s[r, h], w_m[r, h] = sc, mn
-                    else:
-                        for q in range(8):
-                            w_c[r, 8 * h + q] = uint32(0)
-                        w_s[r, h], w_m[r, h] = float32(0), float32(0)
-                for idx in range(tid, BN * (KT // 4), nt):
+                p, sc, mn = codes(raw, k0 + 16 * hf, tab)
+                if n0 + rf < N:
+                    for q in range(8):
+                        w_c[rf, 8 * hf + q] = p[q]
+                    w_s[rf, hf], w_m[rf, hf] = sc, mn
+                else:
+                    for q in range(8):
+                        w_c[rf, 8 * hf + q] = uint32(0)
+                    w_s[rf, hf], w_m[rf, hf] = float32(0), float32(0)
+                for u in range(XPT):
+                    idx = tid + u * THREADS
                     j, cw = idx // (KT // 4), idx % (KT // 4)
-                    r, col = rows[j], k0 + 4 * cw
-                    v0, v1, v2, v3 = float32(0), float32(0), float32(0), float32(0)
-                    if r >= 0 and exps[j] == e:
-                        v0, v1, v2, v3 = x[r, col], x[r, col + 1], x[r, col + 2], x[r, col + 3]
+                    v0, v1, v2, v3 = xv[4 * u], xv[4 * u + 1], xv[4 * u + 2], xv[4 * u + 3]
                     x_hi[j, 2 * cw], x_lo[j, 2 * cw] = _split_pair(v0, v1)
                     x_hi[j, 2 * cw + 1], x_lo[j, 2 * cw + 1] = _split_pair(v2, v3)
-                    if MINS:  # Σx of 16 columns: the 4 lanes cw = 4h .. 4h+3 (BN·8 % nt == 0)
+                    if MINS:  # Σx of 16 columns: the 4 lanes cw = 4h .. 4h+3 (THREADS % 8 == 0)
                         sm = (v0 + v1) + (v2 + v3)
                         sm += xor_shfl(sm, 1, shf)
                         sm += xor_shfl(sm, 2, shf)
                         if cw % 4 == 0:
                             x_sum[j, cw >> 2] = sm
                 cuda.syncthreads()
+                if k0 + KT < ke:  # the next step's loads, in flight during the MMAs below
+                    raw = load(planes, e, nf, k0 + KT + 16 * hf)
+                    _load_x(xv, x, rows, exps, e, k0 + KT, tid, XPT)
                 for h in range(2):
                     kk = 8 * h
                     for mi in range(MI):
@@ -493,13 +547,17 @@ def _mma_codes_kernel(name: str, fill, MI: int, NI: int, WR: int, WC: int, TAB: 
 
 
 @kernel
-def _expert_order(order, ids, n_experts):
+def _expert_order(order, ids, n_experts, tiles, tile_rows):
     """order[R]: the rows 0..R-1 grouped by ids[row], experts increasing (one block; inside a
     group the order is whatever the atomics give: no output depends on it, see the module
-    docstring)."""
+    docstring). tile_rows > 0: also tiles[:, i] = (first, end) positions in ``order`` of the
+    i-th tile of at most tile_rows rows of one expert, experts increasing; (0, 0) past them."""
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     R = ids.shape[0]
     start = cuda.shared.array(MAX_E, int32)
+    count = cuda.shared.array(MAX_E, int32)
+    tfirst = cuda.shared.array(MAX_E, int32)  # the expert's first tile
+    total = cuda.shared.array(1, int32)
     for e in range(tid, n_experts, nt):
         start[e] = 0
     cuda.syncthreads()
@@ -507,48 +565,84 @@ def _expert_order(order, ids, n_experts):
         cuda.atomic.add(start, ids[i], 1)
     cuda.syncthreads()
     if tid == 0:
-        run = 0
+        run, tr = 0, 0
         for e in range(n_experts):
             cnt = start[e]
-            start[e] = run
+            start[e], count[e], tfirst[e] = run, cnt, tr
             run += cnt
+            if tile_rows > 0:
+                tr += (cnt + tile_rows - 1) // tile_rows
+        total[0] = tr
     cuda.syncthreads()
+    if tile_rows > 0:  # before the scatter below moves start[e] on
+        for e in range(tid, n_experts, nt):
+            for j in range((count[e] + tile_rows - 1) // tile_rows):
+                tiles[0, tfirst[e] + j] = start[e] + j * tile_rows
+                tiles[1, tfirst[e] + j] = start[e] + min(count[e], (j + 1) * tile_rows)
+        for i in range(total[0] + tid, tiles.shape[1], nt):
+            tiles[0, i], tiles[1, i] = 0, 0
+        cuda.syncthreads()
     for i in range(tid, R, nt):
         order[cuda.atomic.add(start, ids[i], 1)] = i
 
 
-def expert_order_ref(order, ids, n_experts) -> None:
+def expert_order_ref(order, ids, n_experts, tiles=None) -> None:
     """NumPy reference: the rows sorted by expert, stably (the kernel's order inside an
-    expert's group may differ)."""
+    expert's group may differ), and the expert-aligned tiles of EXPERT_TILE rows."""
     order[:] = np.argsort(np.asarray(ids), kind="stable").astype(np.int32)
+    if tiles is not None:
+        counts = np.bincount(np.asarray(ids), minlength=n_experts)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        spans = [(starts[e] + j, min(starts[e + 1], starts[e] + j + EXPERT_TILE))
+                 for e in range(n_experts) for j in range(0, counts[e], EXPERT_TILE)]
+        tiles[:] = 0
+        if spans:
+            tiles[:, :len(spans)] = np.array(spans, np.int32).T
 
 
-def expert_order(order, ids, n_experts: int, stream=0) -> None:
-    """order int32 [R] (device) <- the rows of ids int32 [R] grouped by expert, increasing."""
+def expert_tiles_capacity(rows: int, n_experts: int) -> int:
+    """Columns expert_order's tiles need for ``rows`` rows: sum over experts of
+    ceil(count / EXPERT_TILE) <= rows / EXPERT_TILE + (experts with rows)."""
+    return cdiv(rows, EXPERT_TILE) + min(n_experts, rows)
+
+
+def expert_order(order, ids, n_experts: int, stream=0, tiles=None) -> None:
+    """order int32 [R] (device) <- the rows of ids int32 [R] grouped by expert, increasing;
+    ``tiles`` int32 [2, expert_tiles_capacity(R, n_experts)]: also the tiles of at most
+    EXPERT_TILE rows of one expert each, for gemm_mma(..., tiles=)."""
     if n_experts > MAX_E:
         raise ValueError(f"expert_order counts at most {MAX_E} experts, got {n_experts}")
-    _expert_order[1, 64 if SIMULATOR else 1024, stream](order, ids, n_experts)
+    R = ids.shape[0]
+    if tiles is not None:
+        need = expert_tiles_capacity(R, n_experts)
+        assert tiles.shape[0] == 2 and tiles.shape[1] >= need, (tiles.shape, need)
+    _expert_order[1, 64 if SIMULATOR else 1024, stream](
+        order, ids, n_experts, _no_tiles() if tiles is None else tiles,
+        0 if tiles is None else EXPERT_TILE)
 
 
 # ---- launcher ------------------------------------------------------------------------------------
 _WORDS = {GGMLType.F32: ("f32", _f32_word), GGMLType.F16: ("f16", _f16_word),
           GGMLType.BF16: ("bf16", _bf16_word), GGMLType.Q4_K: ("q4_k", _q4_k_word),
           GGMLType.MXFP4: ("mxfp4", _mxfp4_word)}
-_CODES = {GGMLType.Q8_0: ("q8_0", _q8_0_codes, 0, False),
-          GGMLType.Q2_K: ("q2_k", _q2_k_codes, 0, True),
-          GGMLType.IQ2_XXS: ("iq2_xxs", _iq2_xxs_codes, IQ2_TAB_WORDS, False)}
+_CODES = {GGMLType.Q8_0: ("q8_0", _q8_0_load, _q8_0_codes, 0, False),
+          GGMLType.Q2_K: ("q2_k", _q2_k_load, _q2_k_codes, 0, True),
+          GGMLType.IQ2_XXS: ("iq2_xxs", _iq2_xxs_load, _iq2_xxs_codes, IQ2_TAB_WORDS, False)}
 # (wide, narrow) per type: 64 weight rows x 64 tokens (2 x 2 warps of 32 x 32) for shared
-# weights; 64 x 16 (4 warps of 16 x 16) for expert rows, ~12 per expert in a 512-token MoE
-# chunk. Q8_0 takes its codes kernel for both although the split kernel runs dense Q8_0 faster
+# weights; 64 x 32 (4 warps of 16 x 32) for expert rows, ~24 per expert in a 1,024-token MoE
+# chunk: with expert_order's tiles each expert's weight tile is then filled about once per
+# chunk (with 16-token tiles cut anywhere in ``order`` it was ~2.5 times). Q8_0 takes its codes
+# kernel for both although the split kernel runs dense Q8_0 faster
 # (H200 2026-12-01, attn_q_b: 23.8 TFLOP/s against 17.8): a weight q·d carries up to 19
 # significant bits, so its hi + lo split rounds it (2^-17), while the codes are exact; on
 # `small` after a 1K prompt that was 30 of 64 greedy steps above the 1e-3 logits bar and a
 # token flip at step 36 (split) against none above it and 64 / 64 equal tokens (codes).
 _KERNELS = {qt: [_mma_kernel(nm, wd, 2, 4, 2, 2)] for qt, (nm, wd) in _WORDS.items()}
-for qt, (nm, fill, tw, mins) in _CODES.items():
-    _KERNELS[qt] = [_mma_codes_kernel(nm, fill, 2, 4, 2, 2, tw, mins),
-                    _mma_codes_kernel(nm, fill, 1, 2, 4, 1, tw, mins)]
-NARROW_ROWS_PER_EXPERT = 32  # fewer rows per expert on average: the 16-token tile
+for qt, (nm, ld, cd, tw, mins) in _CODES.items():
+    _KERNELS[qt] = [_mma_codes_kernel(nm, ld, cd, 2, 4, 2, 2, tw, mins),
+                    _mma_codes_kernel(nm, ld, cd, 1, 4, 4, 1, tw, mins)]
+    assert _KERNELS[qt][1][2] == EXPERT_TILE
+NARROW_ROWS_PER_EXPERT = 32  # fewer rows per expert on average: the narrow tile
 
 
 def supports(w: QWeight) -> bool:
@@ -563,31 +657,43 @@ def _device_const(key: str, host: np.ndarray):
     return _STATE[key]
 
 
+def _no_tiles():
+    """int32 [2, 1]: stands in for absent expert tiles."""
+    return _device_const("mma_no_tiles", np.zeros((2, 1), np.int32))
+
+
 def gemm_mma(out, w: QWeight, x, ids=None, order=None, stream=0, split_k=None,
-             narrow=None) -> None:
+             narrow=None, tiles=None) -> None:
     """out float32 [T, N] (device) = W · x[t], or W[ids[t]] · x[t]; x float32 [T, K].
     ``order`` (int32 [T], from expert_order) lists the rows grouped by expert; without it the
-    rows are taken as they come (right, and fast when already grouped). ``split_k`` forces the
-    K splits (default: enough for two blocks per SM; none with ids), ``narrow`` the 16-token
-    tile (default: with ids and fewer than NARROW_ROWS_PER_EXPERT rows per expert)."""
+    rows are taken as they come (right, and fast when already grouped). ``tiles`` (with ids and
+    order: expert_order's tiles of the same call) makes each block one expert's rows, so an
+    expert's weight tile is filled once per EXPERT_TILE of its rows. ``split_k`` forces the
+    K splits (default: enough for two blocks per SM; none with ids), ``narrow`` the 32-token
+    tile (default: with tiles, or with ids and fewer than NARROW_ROWS_PER_EXPERT rows per
+    expert)."""
     T, N, K = x.shape[0], w.rows, w.cols
     assert out.shape == (T, N) and supports(w), (out.shape, w, x.shape)
     per_token = ids is not None
+    assert tiles is None or (per_token and order is not None), "tiles come with ids and order"
     kernels = _KERNELS[w.qtype]
     if narrow is None:
-        narrow = per_token and T < NARROW_ROWS_PER_EXPERT * w.experts
+        narrow = per_token and (tiles is not None or T < NARROW_ROWS_PER_EXPERT * w.experts)
     kern, BM, BN = kernels[1 if narrow and len(kernels) > 1 else 0]
+    assert tiles is None or BN >= EXPERT_TILE  # a tile's rows fit the block (any kernel here)
     one = _dummies()[0]  # int32 [1]: stands in for absent ids / order
     if per_token and order is None:
         order = _device_const(f"mma_identity_{T}", np.arange(T, dtype=np.int32))
     tab = (_device_const("mma_iq2_tab", _IQ2_TAB) if w.qtype == GGMLType.IQ2_XXS else
            _device_const("mma_no_tab", np.zeros(1, np.uint32)))
-    gx, gy = cdiv(N, BM), cdiv(T, BN)
+    gx, gy = cdiv(N, BM), (cdiv(T, BN) if tiles is None else tiles.shape[1])
     ks = cdiv(cdiv(K, split_k or (1 if per_token else gemm_splits(gx * gy, K))), KT) * KT
     S = cdiv(K, ks)
     dest = out.reshape(1, T, N) if S == 1 else _split_partials(S, T, N)
     kern[(gx, gy, S), THREADS, stream](dest, w.planes, x, ids if per_token else one,
-                                       order if per_token else one, tab, int(per_token), N, K, ks)
+                                       order if per_token else one,
+                                       _no_tiles() if tiles is None else tiles, tab,
+                                       ALIGNED if tiles is not None else int(per_token), N, K, ks)
     if S > 1:
         _sum_splits[min(cdiv(T * N, 256), 4096), 256, stream](out, dest)
 
@@ -609,16 +715,17 @@ _PLANES = {  # the planes tuple of each type, as Numba types
 }
 PTX_SIGNATURES = [
     (kern, f"void(float32[:, :, ::1], {_PLANES[qt]}, float32[:, ::1], int32[::1], int32[::1], "
-           "uint32[::1], int64, int64, int64, int64)")
+           "int32[:, ::1], uint32[::1], int64, int64, int64, int64)")
     for qt, ks in _KERNELS.items() for kern, _, _ in ks
-] + [(_expert_order, "void(int32[::1], int32[::1], int64)")]
+] + [(_expert_order, "void(int32[::1], int32[::1], int64, int32[:, ::1], int64)")]
 
 
 def bench_cases(stream) -> list[BenchCase]:
     """A 512-token prefill chunk at V4-Flash shapes: the shared Q8_0 projections q_b and out_b,
     and the routed experts (IQ2_XXS gate+up, Q2_K down) over the 3,072 (token, expert) rows of
-    256 experts, grouped by expert_order as the prefill runs them, beside the expert-indexed
-    dp4a GEMV that ran them before (same rows, same weights)."""
+    256 experts, grouped by expert_order (with and without its expert tiles; the prefill uses
+    them), beside the expert-indexed dp4a GEMV that ran them before (same rows, same
+    weights)."""
     from . import gemv_lowbit
     from .gemv import _random_weight, _TYPES
     rng = np.random.default_rng(0)
@@ -646,6 +753,7 @@ def bench_cases(stream) -> list[BenchCase]:
     ids_h = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32).ravel()
     ids = cuda.to_device(ids_h, stream=stream)
     order = cuda.device_array(T * k, np.int32, stream=stream)
+    tiles = cuda.device_array((2, expert_tiles_capacity(T * k, E)), np.int32, stream=stream)
     for qtype, N, K in ((GGMLType.IQ2_XXS, 4096, 4096), (GGMLType.Q2_K, 4096, 2048)):
         host, dev = gemv_lowbit._bench_weight(qtype, E, N, K, rng, distinct=8)
         xh = rng.standard_normal((T * k, K)).astype(np.float32)
@@ -656,6 +764,10 @@ def bench_cases(stream) -> list[BenchCase]:
         def grouped(out=out, dev=dev, x=x):
             expert_order(order, ids, E, stream)
             gemm_mma(out, dev, x, ids, order, stream)
+
+        def aligned(out=out, dev=dev, x=x):
+            expert_order(order, ids, E, stream, tiles=tiles)
+            gemm_mma(out, dev, x, ids, order, stream, tiles=tiles)
 
         def dp4a(out=out, dev=dev, x=x, spec=spec):
             gemv_lowbit._launch(spec, out, dev, x, ids, stream, None, "decode")
@@ -669,7 +781,8 @@ def bench_cases(stream) -> list[BenchCase]:
             return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         touched = len(np.unique(ids_h))
         nbytes = touched * dev.nbytes // E + 4 * T * k * (N + K)
-        for how, fn in (("gemm_mma grouped", grouped), ("dp4a ids-GEMV", dp4a)):
+        for how, fn in (("gemm_mma grouped", grouped), ("gemm_mma expert tiles", aligned),
+                        ("dp4a ids-GEMV", dp4a)):
             cases.append(BenchCase("mma", f"{how} {spec.name} experts {T}x{k} rows x {N}x{K}",
                                    fn, nbytes, 2 * T * k * N * K, check=check))
     return cases

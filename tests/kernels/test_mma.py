@@ -27,10 +27,10 @@ def _weight(qtype, E, N, K, rng):
     return pack_weight(raw, qtype, N, K)
 
 
-def _run(qtype, E, N, K, T, with_ids, grouped=False, shuffled=False, **how):
+def _run(qtype, E, N, K, T, with_ids, grouped=False, shuffled=False, aligned=False, **how):
     """rel. error of gemm_mma against the reference; ``grouped``: unsorted ids and the rows
-    grouped by expert_order (as the prefill's MoE); ``shuffled``: unsorted ids taken as they
-    come; else sorted ids."""
+    grouped by expert_order (``aligned``: and its expert tiles, as the prefill's MoE);
+    ``shuffled``: unsorted ids taken as they come; else sorted ids."""
     rng = fresh_rng()
     w = _weight(qtype, E, N, K, rng)
     x = rng.standard_normal((T, K)).astype(np.float32) * rng.uniform(0.1, 10)
@@ -44,7 +44,10 @@ def _run(qtype, E, N, K, T, with_ids, grouped=False, shuffled=False, **how):
     order = None
     if grouped:
         order = cuda.to_device(np.zeros(T, np.int32))
-        mma.expert_order(order, d_ids, E)
+        if aligned:  # poisoned spare columns: the kernel must clear them
+            how["tiles"] = cuda.to_device(np.full((2, mma.expert_tiles_capacity(T, E) + 3),
+                                                  7, np.int32))
+        mma.expert_order(order, d_ids, E, tiles=how.get("tiles"))
     mma.gemm_mma(out, w.to_device(), cuda.to_device(x), d_ids, order, **how)
     return rel_err(out.copy_to_host(), ref)
 
@@ -73,6 +76,13 @@ def test_codes_kernels_expert_rows_grouped(name):
     assert _run(qtype, 3, 33, 256, 21, True, grouped=True, narrow=True) <= BOUND
 
 
+@pytest.mark.parametrize("name", ["q2_k", "iq2_xxs", "mxfp4"])
+def test_expert_aligned_tiles(name):
+    # expert_order's tiles: 2 experts over 75 rows, so one expert spans several 32-row tiles
+    # and the last tile of each is partial; mxfp4 has no narrow kernel (its wide tile serves)
+    assert _run(TYPES[name], 2, 20, 256, 75, True, grouped=True, aligned=True) <= BOUND
+
+
 def test_expert_rows_and_split_k():
     # 3 experts over 70 sorted rows in 64-token tiles: tiles with one and with two experts
     assert _run(GGMLType.Q8_0, 3, 20, 64, 70, True, split_k=1) <= BOUND
@@ -97,6 +107,17 @@ def test_expert_order_groups_rows():
     mma.expert_order_ref(ref, ids, E)
     assert sorted(got) == list(range(R))  # a permutation
     np.testing.assert_array_equal(ids[got], ids[ref])  # grouped by expert, increasing
+    # with tiles (90 rows over 4 experts: some expert needs 2-3 tiles; spare columns cleared)
+    R, E = 90, 4
+    ids = np.repeat(np.arange(E, dtype=np.int32), [50, 0, 7, 33])[rng.permutation(R)]
+    cap = mma.expert_tiles_capacity(R, E)
+    tiles = cuda.to_device(np.full((2, cap + 2), -5, np.int32))
+    order = cuda.to_device(np.full(R, -1, np.int32))
+    mma.expert_order(order, cuda.to_device(ids), E, tiles=tiles)
+    ref_order, ref_tiles = np.empty(R, np.int32), np.empty((2, cap + 2), np.int32)
+    mma.expert_order_ref(ref_order, ids, E, ref_tiles)
+    np.testing.assert_array_equal(tiles.copy_to_host(), ref_tiles)
+    assert (ref_tiles[1] - ref_tiles[0]).tolist()[:5] == [32, 18, 7, 32, 1]
     with pytest.raises(ValueError, match="at most"):
         mma.expert_order(order, cuda.to_device(ids), mma.MAX_E + 1)
 
@@ -107,4 +128,5 @@ def test_gpu_sizes(name):
     qtype = TYPES[name]
     assert _run(qtype, 1, 1000, 2048, 300, False) <= BOUND
     assert _run(qtype, 16, 512, 1024, 600, True) <= BOUND  # 16 experts, sorted rows
-    assert _run(qtype, 64, 256, 1024, 700, True, grouped=True) <= BOUND  # the MoE's form
+    assert _run(qtype, 64, 256, 1024, 700, True, grouped=True) <= BOUND
+    assert _run(qtype, 64, 256, 1024, 700, True, grouped=True, aligned=True) <= BOUND  # MoE
