@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.mma import expert_tiles_capacity
 
 COMPONENTS = ("window", "c4_kv_resident", "c4_kv_staged", "c4_kv_pool", "c128_kv",
               "compressor_state", "indexer_keys", "indexer_keys_staged", "indexer_keys_pool",
@@ -74,6 +73,16 @@ def kv_entry_bytes(head_dim: int, rope_dim: int) -> int:
 def index_key_bytes(index_dim: int) -> int:
     """An FP4 indexer key: nibbles plus a scale byte per 32 dims, padded to 4 (V4: 128 -> 68)."""
     return -(-(index_dim // 2 + index_dim // 32) // 4) * 4
+
+
+# ---- the prefill MoE's expert tiles (kernels/mma.py: expert_order, gemm_mma) --------------------
+EXPERT_TILE = 32  # rows of one expert per tile (mma's narrow codes kernel: 32 tokens)
+
+
+def expert_tiles_capacity(rows: int, n_experts: int) -> int:
+    """Columns expert_order's tiles need for ``rows`` rows: sum over experts of
+    ceil(count / EXPERT_TILE) <= rows / EXPERT_TILE + (experts with rows)."""
+    return -(-rows // EXPERT_TILE) + min(n_experts, rows)
 
 
 # ---- the KV caches ------------------------------------------------------------------------------

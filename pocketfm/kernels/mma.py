@@ -50,6 +50,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
+from ..engine.layout import EXPERT_TILE, expert_tiles_capacity
 from ..quants import IQ2XXS_GRID, KSIGNS_IQ2XS, GGMLType
 from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, xor_shfl
@@ -65,7 +66,6 @@ THREADS = 128  # 4 warps per block
 XCH = 128 * 6 if SIMULATOR else 1  # simulator MMA exchange: 6 fragment words per thread
 SHF = 128 if SIMULATOR else 1  # simulator lane exchange
 MAX_E = 1024  # experts expert_order can count in shared memory
-EXPERT_TILE = 32  # rows of one expert per tile with expert_order's tiles (the narrow kernel's BN)
 ALIGNED = 2  # per_token value of a launch over expert_order's tiles (1: BN entries of order)
 
 # ---- the MMA instruction ------------------------------------------------------------------------
@@ -598,12 +598,6 @@ def expert_order_ref(order, ids, n_experts, tiles=None) -> None:
         tiles[:] = 0
         if spans:
             tiles[:, :len(spans)] = np.array(spans, np.int32).T
-
-
-def expert_tiles_capacity(rows: int, n_experts: int) -> int:
-    """Columns expert_order's tiles need for ``rows`` rows: sum over experts of
-    ceil(count / EXPERT_TILE) <= rows / EXPERT_TILE + (experts with rows)."""
-    return cdiv(rows, EXPERT_TILE) + min(n_experts, rows)
 
 
 def expert_order(order, ids, n_experts: int, stream=0, tiles=None) -> None:
