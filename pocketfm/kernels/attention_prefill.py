@@ -22,20 +22,44 @@ partials, no combine launch, no scratch). Per tile of KC key slots the block dec
 once into shared memory; its warps own HPW heads each, lanes own K/32 dims (K a multiple of
 128, at most 512). Letters: T tokens, H heads, K head dim, R rope dims, W window slots,
 S selected slots, N compressed entries.
+
+On a GPU the launcher takes the tensor-core kernel instead (``mma``; the tile kernel ran at ~9
+TFLOP/s on the H200, 813 ms of a 1,024-token chunk at 256K). All H heads of a token share its
+keys (one latent kv head), so per token S = Q·Kᵀ and O += P·V are GEMMs with the heads as M: a
+block takes one token and MT m-tiles of 16 heads (4·MT warps). Per tile of 16 key slots:
+
+1. decode: each thread takes (key, uint64 word) items, keys fastest: 8 FP8 codes (or 4 bf16
+   rope dims) written twice into shared memory, key-major (the B operand of the scores) and
+   dim-major as key pairs (the B operand of P·V). Every value is exact in bf16 (e4m3 times a
+   power of two; rope dims are bf16 already), so only q and P are split as hi + lo (mma.py's
+   bf16x3 idea: two MMAs, float32 sums, rel. error ~1e-5).
+2. scores: warp (m-tile, quarter) multiplies its 16 heads' q over K/4 dims (A fragments in
+   registers for the whole launch) by the 16 keys; the four quarters' partials meet in shared.
+3. softmax: 8 threads per head row (max, exp, sum by xor shuffles), P written as bf16 hi + lo.
+4. P·V: the warp rescales its 16 heads x K/4 output dims (registers) and adds P·V.
+
+The next tile's words and its keys' scale words are requested right after step 1's barrier
+(in flight during the MMAs), the key codes of the tile after that one tile earlier still (a
+CSA code reads sel first). Inside each 16-wide k-step lane c holds k indices 4c .. 4c+3 of
+both operands, a permutation of the MMA's k that leaves the sum unchanged, so its A and B
+registers are consecutive words in shared memory (indexer_mma.py does the same).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from .. import ops
 from . import device, kvpack
 from .attention import (DPL, HPW, HPWDPL, KC, _ALIGN, _attend, _dim, _finish, _init_heads,
                         _inline, _put, _tile_softmax, _unpack, random_packed_kv, rope_dim_of)
 from .bench import BenchCase
-from .device import cdiv
+from .device import cdiv, xor_shfl
+from .gemv import _bits_f32
+from .lowbit_layout import _f32_bits
+from .mma import _mma_bf16, _split_pair
 
 WIN, CHUNK, COMP = 0, 1, 2  # key sources; a tile slot's code is 4·row + source (-1: no key)
 # The tile kernel needs 156 registers unbounded (the decode kernel 128: three key sources and
@@ -243,6 +267,273 @@ def _tile_kernel(K: int, R: int, NT: int):
     return _TILES[key]
 
 
+# ---- tensor-core kernel: S = Q·Kᵀ and O += P·V as MMAs, one block per (token, 16·MT heads) ----
+MKC = 16  # key slots per tile: one 16-wide k-step of P·V
+LDP = MKC // 2  # words per row of P and of the dim-major tile: g·8 + 2c, conflict-free
+MAX_MT = 2  # m-tiles (16 heads each) per block: 4 warps each
+MXCH = 32 * 4 * MAX_MT * 6 if device.SIMULATOR else 1  # simulator MMA exchange (mma.py)
+MSHF = 32 * 4 * MAX_MT if device.SIMULATOR else 1  # simulator lane exchange
+_MMAS: dict = {}
+
+
+@_inline
+def _fp8_bf16(b, c):
+    """bf16 bits of e4m3 byte b times the block scale c = 2**(s - 127): the 7 magnitude bits
+    moved into a float32's exponent and mantissa read as 2**(e-127)·(1 + m/8) (a denormal
+    m/8·2**-126 for e = 0), times 2**120 and c: both exact, so the bf16 is the top half."""
+    v = _bits_f32(uint32((b & 0x7F) << 20)) * float32(2.0 ** 120) * c
+    return (_f32_bits(v) >> uint32(16)) | uint32((b & 0x80) << 8)
+
+
+@_inline
+def _entry_word(win, chunk, comp, code, j):
+    """uint64 word j of the packed entry a key code names (a negative code: ring row 0)."""
+    code = max(code, 0)
+    src = comp if code & 3 == COMP else (chunk if code & 3 == CHUNK else win)
+    return src[code >> 2, j]
+
+
+def _mma_kernel(K: int, R: int, MT: int):
+    """(kernel, threads, dynamic shared bytes) of the tensor-core prefill attention for head
+    dim K, R rope dims and MT m-tiles of 16 heads a block (closure constants: literal offsets,
+    register arrays of fixed size)."""
+    if (K, R, MT) in _MMAS:
+        return _MMAS[(K, R, MT)]
+    if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT:
+        raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}")
+    NOPE = K - R
+    NT = 128 * MT
+    HG = 16 * MT  # heads per block
+    NF8 = NOPE // 8  # uint64 words per entry: NF8 of FP8 codes, R/4 of rope dims, the scales
+    NW8 = NF8 + R // 4
+    NLD = cdiv(MKC * NW8, NT)  # a tile's words per thread
+    SQ = K // 64  # score k-steps per warp (its K/4 dims)
+    NI = K // 32  # output n-tiles per warp (its K/4 dims, 8 each)
+    NQ, NACC = 4 * SQ, 4 * NI  # (literals for cuda.local.array)
+    LDK = K // 2 + 8  # key-major row words: 8 mod 32, so g·LDK + 2c is conflict-free
+    KT0 = 0  # kt[key][dim pair]: the B operand of S = Q·Kᵀ
+    VT0 = KT0 + MKC * LDK  # vt[dim][key pair]: the B operand of O += P·V
+    SP0 = VT0 + K * LDP  # sp[quarter][head][key]: the warps' partial scores (float32)
+    PH0 = SP0 + 4 * HG * (MKC + 1)  # P as bf16 pairs, hi then lo, [head][key pair]
+    PL0 = PH0 + HG * LDP
+    AL0 = PL0 + HG * LDP  # per head: the tile's rescale factor, running max, running sum
+    M0 = AL0 + HG
+    L0 = M0 + HG
+    WORDS = L0 + HG
+
+    @_inline
+    def _request_tile(wv, win, chunk, comp, kcode, b, tid):
+        """Load the words of the tile whose codes are kcode[b] into wv (items: key fastest,
+        clamped), and return the scale word of key ``tid`` (threads tid < MKC)."""
+        for u in range(NLD):
+            it = min(tid + u * NT, MKC * NW8 - 1)
+            j = it // MKC
+            wv[u] = _entry_word(win, chunk, comp, kcode[b, it - j * MKC], j)
+        return _entry_word(win, chunk, comp, kcode[b, min(tid, MKC - 1)], NW8)
+
+    @device.kernel
+    def _attention_prefill_mma(out, q, win, chunk, comp, sel, n_comp, all_visible, pos0,
+                               sinks, scale):
+        """out[t, h0 .. h0 + HG-1] for t = blockIdx.x, h0 = HG·blockIdx.y (module doc);
+        win, chunk, comp: the packed entries as uint64 words."""
+        smem_u = cuda.shared.array(0, uint32)
+        smem_f = cuda.shared.array(0, float32)  # the same bytes
+        smem_h = cuda.shared.array(0, uint16)
+        kcode = cuda.shared.array((3, MKC), int32)  # tiles i, i+1, i+2 (at i % 3 ..)
+        kscl = cuda.shared.array((2, MKC), uint64)  # tiles i, i+1 (at i % 2 ..): scale words
+        xch = cuda.shared.array(MXCH, np.int64)
+        shf = cuda.shared.array(MSHF, float32)
+        H = q.shape[1]
+        W = win.shape[0]
+        ncap = comp.shape[0]
+        t = cuda.blockIdx.x
+        h0 = cuda.blockIdx.y * HG
+        tid = cuda.threadIdx.x
+        lane, w = tid & 31, tid >> 5
+        g, c = lane >> 2, lane & 3
+        mt, wq = w >> 2, w & 3  # the warp's m-tile (heads 16mt ..) and dim quarter
+        hr = 16 * mt  # its first row of the block's heads
+        zero = float32(0.0)
+        # q's A fragments for this warp's dims, scaled, hi + lo (k permuted: lane c holds
+        # dims 4c .. 4c+3 of each 16-dim step, as the key fragments below)
+        qh = cuda.local.array(NQ, uint32)
+        ql = cuda.local.array(NQ, uint32)
+        for s in range(SQ):
+            for r in range(4):  # (g, 4c), (g+8, 4c), (g, 4c+2), (g+8, 4c+2)
+                h = h0 + hr + g + 8 * (r & 1)
+                d = (K // 4) * wq + 16 * s + 4 * c + 2 * (r >> 1)
+                v0 = q[t, h, d] * scale if h < H else zero
+                v1 = q[t, h, d + 1] * scale if h < H else zero
+                qh[4 * s + r], ql[4 * s + r] = _split_pair(v0, v1)
+        wv = cuda.local.array(NLD, uint64)  # the next tile's packed words, in flight
+        sh = cuda.local.array(8, float32)  # score tiles: q hi and q lo products
+        sl = cuda.local.array(8, float32)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = zero
+        if tid < HG:
+            smem_f[M0 + tid] = -math.inf
+            smem_f[L0 + tid] = zero
+        p0 = int(pos0[0])
+        nwc = _window_count(t, p0, W)
+        nslot = nwc + _comp_count(t, sel, n_comp, all_visible, ncap)
+        # The pipeline: tile i's words (and its keys' scale words) are requested during tile
+        # i-1's MMAs, its key codes during tile i-2 (a code may need sel[t, ·] first: two
+        # dependent reads kept off the path between barriers).
+        # (_key_code is called in place: an inlined wrapper of it makes NVVM 13.5 fail under
+        # lineinfo=True, as the naive kernel's doc says)
+        if tid < MKC:
+            for i in range(2):
+                m = tid + i * MKC
+                kcode[i, tid] = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap) \
+                    if m < nslot else -1
+        cuda.syncthreads()
+        sw = _request_tile(wv, win, chunk, comp, kcode, 0, tid)
+        if tid < MKC:
+            kscl[0, tid] = sw
+        cuda.syncthreads()
+        for ti in range((nslot + MKC - 1) // MKC):
+            cur, nxt = ti % 3, (ti + 1) % 3
+            # 1. decode this tile (words in wv) into kt and vt
+            for u in range(NLD):
+                it = tid + u * NT
+                if it < MKC * NW8:
+                    j = it // MKC
+                    kk = it - j * MKC
+                    x = wv[u] if kcode[cur, kk] >= 0 else uint64(0)
+                    lo, hi = uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32))
+                    if j < NF8:  # 8 FP8 dims 8j .. 8j+7
+                        sb = uint32(kscl[ti & 1, kk] >> uint64(8 * (j // 8))) & uint32(255)
+                        cs = _bits_f32(sb << uint32(23)) if sb > 0 else float32(2.0 ** -127)
+                        o = KT0 + kk * LDK + 4 * j
+                        vh = 2 * (VT0 + 8 * j * LDP) + kk
+                        for e in range(2):
+                            wd = hi if e else lo
+                            b0 = _fp8_bf16(wd & uint32(255), cs)
+                            b1 = _fp8_bf16((wd >> uint32(8)) & uint32(255), cs)
+                            b2 = _fp8_bf16((wd >> uint32(16)) & uint32(255), cs)
+                            b3 = _fp8_bf16(wd >> uint32(24), cs)
+                            smem_u[o + 2 * e] = b0 | (b1 << uint32(16))
+                            smem_u[o + 2 * e + 1] = b2 | (b3 << uint32(16))
+                            smem_h[vh + 8 * e * LDP] = b0
+                            smem_h[vh + (8 * e + 2) * LDP] = b1
+                            smem_h[vh + (8 * e + 4) * LDP] = b2
+                            smem_h[vh + (8 * e + 6) * LDP] = b3
+                    else:  # 4 bf16 rope dims, as they are
+                        d = NOPE + 4 * (j - NF8)
+                        smem_u[KT0 + kk * LDK + d // 2] = lo
+                        smem_u[KT0 + kk * LDK + d // 2 + 1] = hi
+                        vh = 2 * (VT0 + d * LDP) + kk
+                        smem_h[vh] = lo & uint32(0xFFFF)
+                        smem_h[vh + 2 * LDP] = lo >> uint32(16)
+                        smem_h[vh + 4 * LDP] = hi & uint32(0xFFFF)
+                        smem_h[vh + 6 * LDP] = hi >> uint32(16)
+            cuda.syncthreads()
+            # the next tile's words and the codes of the one after, requested now: in flight
+            # during this tile's MMAs
+            sw = _request_tile(wv, win, chunk, comp, kcode, nxt, tid)
+            m = (ti + 2) * MKC + tid
+            code2 = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap) \
+                if tid < MKC and m < nslot else -1
+            # 2. this warp's part of the scores: its K/4 dims, 2 n-tiles, hi and lo
+            for i in range(8):
+                sh[i] = zero
+                sl[i] = zero
+            for s in range(SQ):
+                for ni in range(2):
+                    kw = KT0 + (8 * ni + g) * LDK + (K // 8) * wq + 8 * s + 2 * c
+                    b0, b1 = smem_u[kw], smem_u[kw + 1]
+                    j = 4 * ni
+                    sh[j], sh[j + 1], sh[j + 2], sh[j + 3] = _mma_bf16(
+                        qh[4 * s], qh[4 * s + 1], qh[4 * s + 2], qh[4 * s + 3], b0, b1,
+                        sh[j], sh[j + 1], sh[j + 2], sh[j + 3], xch)
+                    sl[j], sl[j + 1], sl[j + 2], sl[j + 3] = _mma_bf16(
+                        ql[4 * s], ql[4 * s + 1], ql[4 * s + 2], ql[4 * s + 3], b0, b1,
+                        sl[j], sl[j + 1], sl[j + 2], sl[j + 3], xch)
+            for ni in range(2):
+                for r in range(4):  # C: (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)
+                    row = hr + g + 8 * (r >> 1)
+                    key = 8 * ni + 2 * c + (r & 1)
+                    smem_f[SP0 + (wq * HG + row) * (MKC + 1) + key] = sh[4 * ni + r] + \
+                        sl[4 * ni + r]
+            cuda.syncthreads()
+            # 3. online softmax: 8 threads per head row, 2 keys each
+            row, i = tid >> 3, tid & 7
+            s0, s1 = zero, zero
+            for qq in range(4):
+                s0 += smem_f[SP0 + (qq * HG + row) * (MKC + 1) + 2 * i]
+                s1 += smem_f[SP0 + (qq * HG + row) * (MKC + 1) + 2 * i + 1]
+            if kcode[cur, 2 * i] < 0:
+                s0 = -math.inf
+            if kcode[cur, 2 * i + 1] < 0:
+                s1 = -math.inf
+            mx = max(s0, s1)
+            mx = max(mx, xor_shfl(mx, 1, shf))
+            mx = max(mx, xor_shfl(mx, 2, shf))
+            mx = max(mx, xor_shfl(mx, 4, shf))
+            m_old = smem_f[M0 + row]
+            m_new = max(m_old, mx)
+            e0, e1, alpha = zero, zero, float32(1.0)
+            if m_new > -math.inf:  # (a row that has seen no key yet keeps alpha = 1)
+                e0 = float32(math.exp(s0 - m_new))  # -inf: 0
+                e1 = float32(math.exp(s1 - m_new))
+                alpha = float32(math.exp(m_old - m_new))  # first live tile: 0
+            ps = e0 + e1
+            ps += xor_shfl(ps, 1, shf)
+            ps += xor_shfl(ps, 2, shf)
+            ps += xor_shfl(ps, 4, shf)
+            hi, lo = _split_pair(e0, e1)
+            smem_u[PH0 + row * LDP + i] = hi
+            smem_u[PL0 + row * LDP + i] = lo
+            if i == 0:
+                smem_f[AL0 + row] = alpha
+                smem_f[M0 + row] = m_new
+                smem_f[L0 + row] = smem_f[L0 + row] * alpha + ps
+            if tid < MKC:  # (tile i-1 was the last reader of both slots)
+                kscl[(ti + 1) & 1, tid] = sw
+                kcode[(ti + 2) % 3, tid] = code2
+            cuda.syncthreads()
+            # 4. O = alpha·O + P·V over this warp's heads and output dims
+            al0, al1 = smem_f[AL0 + hr + g], smem_f[AL0 + hr + g + 8]
+            for ni in range(NI):
+                acc[4 * ni] *= al0
+                acc[4 * ni + 1] *= al0
+                acc[4 * ni + 2] *= al1
+                acc[4 * ni + 3] *= al1
+            pa = PH0 + (hr + g) * LDP + 2 * c
+            pb = PL0 + (hr + g) * LDP + 2 * c
+            ah0, ah1, ah2, ah3 = smem_u[pa], smem_u[pa + 8 * LDP], smem_u[pa + 1], \
+                smem_u[pa + 8 * LDP + 1]
+            al_0, al_1, al_2, al_3 = smem_u[pb], smem_u[pb + 8 * LDP], smem_u[pb + 1], \
+                smem_u[pb + 8 * LDP + 1]
+            for ni in range(NI):
+                vw = VT0 + ((K // 4) * wq + 8 * ni + g) * LDP + 2 * c
+                b0, b1 = smem_u[vw], smem_u[vw + 1]
+                j = 4 * ni
+                acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
+                    ah0, ah1, ah2, ah3, b0, b1, acc[j], acc[j + 1], acc[j + 2], acc[j + 3], xch)
+                acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
+                    al_0, al_1, al_2, al_3, b0, b1, acc[j], acc[j + 1], acc[j + 2], acc[j + 3],
+                    xch)
+            cuda.syncthreads()  # every warp is done with kt, vt and P: the next decode
+        for r in range(2):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
+            row = hr + g + 8 * r
+            h = h0 + row
+            if h < H:
+                z = sinks[h]
+                mr = smem_f[M0 + row]
+                M = max(mr, z)
+                a = float32(math.exp(mr - M))  # no key at all: m = -inf, a = 0
+                f = a / (smem_f[L0 + row] * a + float32(math.exp(z - M)))
+                for ni in range(NI):
+                    d = (K // 4) * wq + 8 * ni + 2 * c
+                    out[t, h, d] = acc[4 * ni + 2 * r] * f
+                    out[t, h, d + 1] = acc[4 * ni + 2 * r + 1] * f
+
+    _MMAS[(K, R, MT)] = (_attention_prefill_mma, NT, 4 * WORDS)
+    return _MMAS[(K, R, MT)]
+
+
 @device.kernel
 def _store_chunk_rows(win, chunk, pos0):
     """win[W, words] <- the last min(T, W) rows of chunk[T, words], row t at (pos0 + t) mod W
@@ -261,12 +552,15 @@ def _store_chunk_rows(win, chunk, pos0):
 # ---- launchers --------------------------------------------------------------------------------
 def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_comp_visible,
                       all_visible: int, pos0, sinks, scale: float, stream=0, threads=None,
-                      naive: bool = False) -> None:
+                      naive: bool = False, mma=None) -> None:
     """out[T, H, K] f32 <- chunked-prefill sink attention of q[T, H, K] (see the module doc):
     window_packed[W, bytes] the ring before the chunk, chunk_packed[T, bytes] the chunk's own
     entries, comp_packed[Ncap, bytes]; sel[T, S] int32 (CSA; -1 = none; S = 1 of -1 for
     window-only layers), n_comp_visible[T] int32 (HCA, with ``all_visible``), pos0[1] int32,
-    sinks[H] f32 — all device arrays. One launch, no allocation, no host sync."""
+    sinks[H] f32 — all device arrays. One launch, no allocation, no host sync.
+
+    ``mma`` True / False / None (pick): the tensor-core kernel, by default on a GPU; the
+    simulator's engine keeps the tile kernel (``mma=True`` forces it, for its tests)."""
     T, H, K = q.shape
     if T == 0:
         return
@@ -277,10 +571,16 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
         nt = threads or 64
         _attention_prefill_naive[min(cdiv(T * H, nt), 4096), nt, stream](out, q, *args, *rest, R)
         return
+    words = tuple(a.view(np.uint32) for a in args)
+    if (not device.SIMULATOR) if mma is None else mma:
+        mt = 1 if H <= 16 else MAX_MT
+        kern, nt, smem = _mma_kernel(K, R, mt)
+        kern[(T, cdiv(H, 16 * mt)), nt, stream, smem](
+            out, q, *(a.view(np.uint64) for a in args), *rest)
+        return
     # a block of NT threads owns NT/32·HPW heads; small H: no idle warps
     nt = threads or min(256, cdiv(H, HPW) * 32)
     kern, smem = _tile_kernel(K, R, nt)
-    words = tuple(a.view(np.uint32) for a in args)
     kern[(T, cdiv(H, nt // 32 * HPW)), nt, stream, smem](out, q, *words, *rest)
 
 
@@ -304,6 +604,8 @@ PTX_SIGNATURES = [
                                f"uint8[:, ::1], {_TAIL}, int64)"),
     (_tile_kernel(512, 64, 256)[0], f"void({_F3}, {_F3}, uint32[:, ::1], uint32[:, ::1], "
                                     f"uint32[:, ::1], {_TAIL})"),  # V4-Flash, 256 threads
+    (_mma_kernel(512, 64, MAX_MT)[0], f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], "
+                                      f"uint64[:, ::1], {_TAIL})"),  # V4-Flash
     (_store_chunk_rows, "void(uint32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 
@@ -335,16 +637,18 @@ def bench_cases(stream) -> list[BenchCase]:
         }.items()}
         out = cuda.device_array((T, H, K), np.float32, stream=stream)
 
-        def launch(d=dev, out=out, hca=hca):
-            attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nc"],
-                              int(hca), d["p0"], d["sinks"], 1 / math.sqrt(K), stream=stream)
-
         ncomp = nvis.astype(np.int64) if hca else np.full(T, S)
         keys = int((np.minimum(p0 + np.arange(T), W - 1) + 1 + ncomp).sum())
         rows = ncap if hca else len(np.unique(sel))  # each distinct entry read once, ideally
         nbytes = (W + T + rows) * B + 2 * out.nbytes + (0 if hca else sel.nbytes)
-        cases.append(BenchCase("attention_prefill",
-                               f"attention_prefill {mode} T={T} H={H} K={K} W={W} "
-                               f"comp={'%d visible' % ncap if hca else '%d of %d' % (S, ncap)}",
-                               launch, nbytes, flops=4 * H * K * keys))
+        for mma in (False, True):
+            def launch(d=dev, out=out, hca=hca, mma=mma):
+                attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"],
+                                  d["nc"], int(hca), d["p0"], d["sinks"], 1 / math.sqrt(K),
+                                  stream=stream, mma=mma)
+            cases.append(BenchCase(
+                "attention_prefill",
+                f"attention_prefill {'tensor cores' if mma else 'tiles'} {mode} T={T} H={H} "
+                f"K={K} W={W} comp={'%d visible' % ncap if hca else '%d of %d' % (S, ncap)}",
+                launch, nbytes, flops=4 * H * K * keys))
     return cases

@@ -46,7 +46,7 @@ def inputs(rng, pos0, T, W, H):
                 sinks=rng.normal(size=H).astype(np.float32))
 
 
-def run(x, sel, nvis, hca, naive, threads=THREADS):
+def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None):
     """(kernel output, float64 reference) for inputs ``x`` and the selection / counts."""
     T, H, _ = x["q"].shape
     scale = 1 / math.sqrt(K)
@@ -56,7 +56,7 @@ def run(x, sel, nvis, hca, naive, threads=THREADS):
     d = {k: cuda.to_device(v) for k, v in dict(x, sel=sel, nvis=nvis).items()}
     out = poisoned((T, H, K))
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
-                         d["pos0"], d["sinks"], scale, threads=threads, naive=naive)
+                         d["pos0"], d["sinks"], scale, threads=threads, naive=naive, mma=mma)
     return out.copy_to_host(), ref
 
 
@@ -109,37 +109,47 @@ def test_ref_matches_per_token_key_lists(hca):
 
 
 # ---- kernels vs the reference -----------------------------------------------------------------
-@pytest.mark.parametrize("naive", [True, False])
-@pytest.mark.parametrize("pos0,T,W", POSITIONS)
-def test_attention_prefill_csa(naive, pos0, T, W):
+KERNELS = {"naive": dict(naive=True), "tiles": dict(naive=False, mma=False),
+           "mma": dict(naive=False, mma=True)}
+
+
+def cases(positions, mma_positions):
+    """(kernel, pos0, T, W): every position for the CUDA-core kernels, fewer for the tensor
+    cores (each emulated MMA costs two block barriers in the simulator: ~5 s per tile)."""
+    return ([(k, *p) for k in ("naive", "tiles") for p in positions]
+            + [("mma", *p) for p in mma_positions])
+
+
+@pytest.mark.parametrize("kernel,pos0,T,W", cases(POSITIONS, [(9, 3, 4), (21, 3, 16)]))
+def test_attention_prefill_csa(kernel, pos0, T, W):
     """CSA: -1 padding and holes; S = 24 > KC - W, so some tiles are all holes (skipped)."""
     rng = fresh_rng()
     x = inputs(rng, pos0, T, W, 4)
     sel = csa_sel(rng, T, 24 if W == 4 else 8)
     nvis = np.full(T, 123456, np.int32)  # garbage: CSA must not read it
-    out, ref = run(x, sel, nvis, 0, naive)
+    out, ref = run(x, sel, nvis, 0, **KERNELS[kernel])
     assert rel_err(out, ref) <= 1e-4
 
 
-@pytest.mark.parametrize("naive", [True, False])
-@pytest.mark.parametrize("pos0,T,W", [(0, 3, 4), (30, 6, 4)])
-def test_attention_prefill_hca(naive, pos0, T, W):
+@pytest.mark.parametrize("kernel,pos0,T,W", cases([(0, 3, 4), (30, 6, 4)], [(0, 3, 4)]))
+def test_attention_prefill_hca(kernel, pos0, T, W):
     """HCA: n_comp_visible grows along the chunk (from 0 at the start); sel is ignored."""
     rng = fresh_rng()
     x = inputs(rng, pos0, T, W, 4)
     nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
     sel = np.full((T, 1), 123456, np.int32)  # garbage: must not be read
-    out, ref = run(x, sel, nvis, 1, naive)
+    out, ref = run(x, sel, nvis, 1, **KERNELS[kernel])
     assert rel_err(out, ref) <= 1e-4
 
 
-@pytest.mark.parametrize("naive", [True, False])
-def test_attention_prefill_window_only(naive):
+@pytest.mark.parametrize("kernel", ["naive", "tiles"])
+def test_attention_prefill_window_only(kernel):
     """Ratio-0 layers: S = 1, all -1; three heads (the fast path pads a head group)."""
     rng = fresh_rng()
     pos0, T, W = 13, 5, 4
     x = inputs(rng, pos0, T, W, 3)
-    out, ref = run(x, np.full((T, 1), -1, np.int32), np.zeros(T, np.int32), 0, naive)
+    out, ref = run(x, np.full((T, 1), -1, np.int32), np.zeros(T, np.int32), 0,
+                   **KERNELS[kernel])
     assert rel_err(out, ref) <= 1e-4
 
 
@@ -149,6 +159,15 @@ def test_attention_prefill_two_warps():
     rng = fresh_rng()
     x = inputs(rng, 5, 2, 4, 6)
     out, ref = run(x, csa_sel(rng, 2, 6), np.zeros(2, np.int32), 0, False, threads=2 * THREADS)
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_attention_prefill_mma_two_m_tiles():
+    """The tensor-core kernel with two 16-head m-tiles a block (H > 16), the second cut
+    short (H = 20); the other tests (H = 4) run one m-tile."""
+    rng = fresh_rng()
+    x = inputs(rng, 9, 2, 4, 20)
+    out, ref = run(x, csa_sel(rng, 2, 12), np.zeros(2, np.int32), 0, False, mma=True)
     assert rel_err(out, ref) <= 1e-4
 
 
@@ -189,8 +208,9 @@ def test_two_chunks_equal_one():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
+@pytest.mark.parametrize("mma", [False, True])
 @pytest.mark.parametrize("hca", [0, 1])
-def test_attention_prefill_v4_shapes(hca):
+def test_attention_prefill_v4_shapes(hca, mma):
     rng = fresh_rng()
     H, K4, R4, W4, S4, T, ncap = 64, 512, 64, 128, 512, 40, 1000
     pos0 = 3000
@@ -208,5 +228,5 @@ def test_attention_prefill_v4_shapes(hca):
     d = {k: cuda.to_device(v) for k, v in dict(x, sel=sel, nvis=nvis).items()}
     out = poisoned((T, H, K4))
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
-                         d["pos0"], d["sinks"], 1 / math.sqrt(K4))
+                         d["pos0"], d["sinks"], 1 / math.sqrt(K4), mma=mma)
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
