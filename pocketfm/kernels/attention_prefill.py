@@ -171,6 +171,15 @@ def _attention_prefill_naive(out, q, win, chunk, comp, sel, n_comp, all_visible,
 
 # ---- fast kernel: shared-memory key tiles, one block per (token, head group) ------------------
 @_inline
+def _entry_word(win, chunk, comp, code, j):
+    """Word j (in the arrays' dtype) of the packed entry that a key code names (a negative
+    code: ring row 0)."""
+    code = max(code, 0)
+    src = comp if code & 3 == COMP else (chunk if code & 3 == CHUNK else win)
+    return src[code >> 2, j]
+
+
+@_inline
 def _fetch3(win, chunk, comp, kcode, it, KW, NOPE, R):
     """(packed word, word holding its FP8 block's scale) of tile item ``it``: word it % KW of
     the tile's key it // KW, from the source its code names. Branch-free like attention's
@@ -178,10 +187,10 @@ def _fetch3(win, chunk, comp, kcode, it, KW, NOPE, R):
     itc = min(it, KC * KW - 1)
     kk = itc // KW
     wd = itc - kk * KW
-    code = max(kcode[kk], 0)
-    src = comp if code & 3 == COMP else (chunk if code & 3 == CHUNK else win)
+    code = kcode[kk]
     sb = NOPE + 2 * R + min(wd, NOPE // 4 - 1) // 16  # scale byte of dims 4wd.. (64 a block)
-    return int(src[code >> 2, wd]), int(src[code >> 2, sb // 4]) >> (8 * (sb % 4))
+    return (int(_entry_word(win, chunk, comp, code, wd)),
+            int(_entry_word(win, chunk, comp, code, sb // 4)) >> (8 * (sb % 4)))
 
 
 _TILES: dict = {}
@@ -283,14 +292,6 @@ def _fp8_bf16(b, c):
     m/8·2**-126 for e = 0), times 2**120 and c: both exact, so the bf16 is the top half."""
     v = _bits_f32(uint32((b & 0x7F) << 20)) * float32(2.0 ** 120) * c
     return (_f32_bits(v) >> uint32(16)) | uint32((b & 0x80) << 8)
-
-
-@_inline
-def _entry_word(win, chunk, comp, code, j):
-    """uint64 word j of the packed entry a key code names (a negative code: ring row 0)."""
-    code = max(code, 0)
-    src = comp if code & 3 == COMP else (chunk if code & 3 == CHUNK else win)
-    return src[code >> 2, j]
 
 
 def _mma_kernel(K: int, R: int, MT: int):
@@ -571,7 +572,6 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
         nt = threads or 64
         _attention_prefill_naive[min(cdiv(T * H, nt), 4096), nt, stream](out, q, *args, *rest, R)
         return
-    words = tuple(a.view(np.uint32) for a in args)
     if (not device.SIMULATOR) if mma is None else mma:
         mt = 1 if H <= 16 else MAX_MT
         kern, nt, smem = _mma_kernel(K, R, mt)
@@ -581,6 +581,7 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     # a block of NT threads owns NT/32·HPW heads; small H: no idle warps
     nt = threads or min(256, cdiv(H, HPW) * 32)
     kern, smem = _tile_kernel(K, R, nt)
+    words = tuple(a.view(np.uint32) for a in args)
     kern[(T, cdiv(H, nt // 32 * HPW)), nt, stream, smem](out, q, *words, *rest)
 
 
