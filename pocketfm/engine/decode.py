@@ -211,8 +211,9 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u = self.u_norm
+        side = self.side if self.branches else None  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
-               threads=nt, **sim)
+               threads=nt, side=side, **sim)
         rmsnorm(u, self.u_in, L.attn_norm, eps, True, s, threads=nt, **sim)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
@@ -301,14 +302,17 @@ class DecodeEngine:
     def _ffn(self, i: int, X, X_out) -> None:
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]
         nt, sim = self.nt, self.sim
+        side = self.side if self.branches else None  # post + comb beside u and the MoE
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt, **sim)
+               cfg.hc_iters, s, threads=nt, side=side, **sim)
         rmsnorm(self.u_norm, self.u_in, L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
-                  side=self.side if self.branches else None)
+                  side=side)
+        if side is not None:  # (moe_layer joins it too, when it has a shared expert)
+            side.join(s)
         hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt, **sim)
 
     # ---- a sequence -----------------------------------------------------------------------------

@@ -479,16 +479,42 @@ def decode_splits(H: int, K: int, slots: int, threads: int) -> tuple[int, int]:
 
 
 
+def mma_splits(H: int, slots: int, tiles_per_split: int) -> tuple[int, int]:
+    """(splits P, head groups) of the tensor-core decode grid for ``slots`` key slots (its
+    blocks take 255 registers x 256 threads: one per SM): ``tiles_per_split`` 16-slot tiles a
+    split, one wave of blocks at most, at most MAX_SPLITS."""
+    from .attention_prefill import MAX_MT, MKC
+
+    groups = cdiv(H, 16 * (1 if H <= 16 else MAX_MT))
+    sms = 8 if device.SIMULATOR else device.sm_count()  # (simulator: tests reach the splits)
+    P = min(cdiv(slots, MKC * tiles_per_split), max(1, sms // groups), MAX_SPLITS)
+    return max(P, 1), groups
+
+
+def _partials(P: int, H: int, K: int, stream):
+    """The split partials' scratch [P, H, K+2] f32, one per shape, module-wide (so reused by
+    every layer: concurrent streams need their own)."""
+    if (P, H, K) not in _SCRATCH:
+        _SCRATCH[P, H, K] = cuda.device_array((P, H, K + 2), np.float32, stream=stream)
+    return _SCRATCH[P, H, K]
+
+
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
-                     naive: bool = False, part=None) -> None:
+                     naive: bool = False, part=None, mma=None, tiles_per_split: int = 4) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
     n_comp_visible[1]. Entries are kvpack's packed KV (head dim K; the rope dims follow from
-    the entry width). ``part`` is the split partials' scratch [P, H, K+2] f32 (default: one
-    per shape, module-wide and so reused by every layer: concurrent streams need their own).
-    Launches: the split kernel, then the combine."""
+    the entry width). ``part`` is the split partials' scratch [P, H, K+2] f32 (default:
+    ``_partials``). Launches: the split kernel, then the combine.
+
+    ``mma`` True / False / None (pick): the split kernel on the tensor cores (attention_prefill's
+    kernel in its decode form, ``tiles_per_split`` 16-slot tiles a block) or on the CUDA cores.
+    The pick: tensor cores for HCA on a GPU, where they win (H200, 2026-12-02, graphs of 20:
+    128 + 2,048 entries 63.5 -> 41.9 µs, 128 + 8,192 148.8 -> 70.4 µs); CUDA cores for CSA's
+    640 slots (29.7 µs; tensor cores 30.6-37.7: at that size neither kernel's time is its
+    arithmetic) and in the simulator (``mma=True`` forces the tensor cores there)."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
@@ -496,17 +522,26 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
         nt = threads or 64
         _attention_decode_naive[cdiv(H, nt), nt, stream](out, *args, sinks, float32(scale), R)
         return
-    nt = threads or 256
-    kern, smem = _split_kernel(K, R, nt)
     slots = window_packed.shape[0] + (comp_packed.shape[0] if all_visible else sel.shape[0])
-    P, groups = decode_splits(H, K, slots, nt)
-    if part is None:
-        if (P, H, K) not in _SCRATCH:
-            _SCRATCH[P, H, K] = cuda.device_array((P, H, K + 2), np.float32, stream=stream)
-        part = _SCRATCH[P, H, K]
-    kern[(P, groups), nt, stream, smem](
-        part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
-        sel, n_comp_visible, int32(all_visible), float32(scale))
+    if (all_visible and not device.SIMULATOR) if mma is None else mma:
+        from .attention_prefill import MAX_MT, _mma_kernel
+
+        kern, nt, smem = _mma_kernel(K, R, 1 if H <= 16 else MAX_MT, DEC=True)
+        P, groups = mma_splits(H, slots, tiles_per_split)
+        part = _partials(P, H, K, stream) if part is None else part
+        win = window_packed.view(np.uint64)
+        kern[(P, groups), nt, stream, smem](
+            part, q.reshape(1, H, K), win, win, comp_packed.view(np.uint64),
+            sel.reshape(1, sel.shape[0]), n_comp_visible, int32(all_visible), n_window, sinks,
+            float32(scale))
+    else:
+        nt = threads or 256
+        kern, smem = _split_kernel(K, R, nt)
+        P, groups = decode_splits(H, K, slots, nt)
+        part = _partials(P, H, K, stream) if part is None else part
+        kern[(P, groups), nt, stream, smem](
+            part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
+            sel, n_comp_visible, int32(all_visible), float32(scale))
     _attention_combine[(cdiv(K, 128), H), 128, stream](out, part, sinks)
 
 
@@ -548,13 +583,17 @@ def random_packed_kv(rng, n: int, K: int, R: int) -> np.ndarray:
 
 def bench_cases(stream) -> list[BenchCase]:
     """V4-Flash decode: H = 64 heads x K = 512 (R = 64), a full 128-entry window plus 512
-    selected compressed entries (CSA) or 8192 visible ones (HCA at 1M context)."""
+    selected compressed entries (CSA) or 2048 / 8192 visible ones (HCA at 256K / 1M context);
+    the CUDA-core split kernel and the tensor-core one at 1, 2 and 4 tiles a split."""
     rng = np.random.default_rng(0)
     H, K, R, W = 64, 512, 64, 128
     cases = []
-    for mode, ncomp in (("CSA", 512), ("HCA", 8192)):
+    kernels = {"split": dict(mma=False), "mma 1 tile/split": dict(mma=True, tiles_per_split=1),
+               "mma 2 tiles/split": dict(mma=True, tiles_per_split=2),
+               "mma 4 tiles/split": dict(mma=True, tiles_per_split=4)}
+    for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):
         hca = mode == "HCA"
-        ncap = 8192 if hca else 262_144 // 16  # CSA: a 64K-entry pool, 512 rows picked from it
+        ncap = ncomp if hca else 262_144 // 16  # CSA: a 64K-entry pool, 512 rows picked from it
         dev = {n: cuda.to_device(a, stream=stream) for n, a in {
             "q": (rng.normal(size=(H, K)) / 8).astype(np.float32),
             "win": random_packed_kv(rng, W, K, R),
@@ -565,15 +604,16 @@ def bench_cases(stream) -> list[BenchCase]:
             "nc": np.array([ncomp], np.int32),
             "sinks": rng.normal(size=H).astype(np.float32),
         }.items()}
-        out = cuda.device_array((H, K), np.float32, stream=stream)
-
-        def launch(d=dev, out=out, hca=hca):
-            attention_decode(out, d["q"], d["win"], d["nw"], d["comp"], d["sel"], d["nc"],
-                             int(hca), d["sinks"], 1 / math.sqrt(K), stream=stream)
-
         M = W + ncomp
         nbytes = M * kvpack.kv_entry_bytes(K, R) + 2 * H * K * 4 + 4 * ncomp
-        cases.append(BenchCase("attention", f"attention_decode {mode} H={H} K={K} M={W}+{ncomp}",
-                               launch, nbytes, flops=4 * H * K * M,
-                               target="<= 20 us" if mode == "CSA" else ""))
+        for kname, how in kernels.items():
+            out = cuda.device_array((H, K), np.float32, stream=stream)
+
+            def launch(d=dev, out=out, hca=hca, how=how):
+                attention_decode(out, d["q"], d["win"], d["nw"], d["comp"], d["sel"], d["nc"],
+                                 int(hca), d["sinks"], 1 / math.sqrt(K), stream=stream, **how)
+
+            cases.append(BenchCase("attention", f"attention_decode {kname} {mode} H={H} K={K} "
+                                   f"M={W}+{ncomp}", launch, nbytes, flops=4 * H * K * M,
+                                   target="<= 20 us" if mode == "CSA" else ""))
     return cases

@@ -294,12 +294,26 @@ def _fp8_bf16(b, c):
     return (_f32_bits(v) >> uint32(16)) | uint32((b & 0x80) << 8)
 
 
-def _mma_kernel(K: int, R: int, MT: int):
+@_inline
+def _decode_key_code(m, nwin, W, sel, all_visible, ncap):
+    """Code of slot m of the decode's key list (attention.attention_decode's order): window
+    row m (valid below nwin), then compressed slot i = m - W: row i (HCA) or sel[0, i] (CSA)."""
+    if m < W:
+        return 4 * m + WIN if m < nwin else -1
+    i = m - W
+    if all_visible:
+        return 4 * i + COMP
+    j = int(sel[0, i])
+    return 4 * j + COMP if j >= 0 and j < ncap else -1
+
+
+def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
     """(kernel, threads, dynamic shared bytes) of the tensor-core prefill attention for head
     dim K, R rope dims and MT m-tiles of 16 heads a block (closure constants: literal offsets,
-    register arrays of fixed size)."""
-    if (K, R, MT) in _MMAS:
-        return _MMAS[(K, R, MT)]
+    register arrays of fixed size). ``DEC``: the decode form (attention_decode_mma): one token,
+    its key list split over blockIdx.x, partials out."""
+    if (K, R, MT, DEC) in _MMAS:
+        return _MMAS[(K, R, MT, DEC)]
     if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT:
         raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}")
     NOPE = K - R
@@ -347,7 +361,7 @@ def _mma_kernel(K: int, R: int, MT: int):
         H = q.shape[1]
         W = win.shape[0]
         ncap = comp.shape[0]
-        t = cuda.blockIdx.x
+        t = 0 if DEC else cuda.blockIdx.x
         h0 = cuda.blockIdx.y * HG
         tid = cuda.threadIdx.x
         lane, w = tid & 31, tid >> 5
@@ -375,9 +389,18 @@ def _mma_kernel(K: int, R: int, MT: int):
         if tid < HG:
             smem_f[M0 + tid] = -math.inf
             smem_f[L0 + tid] = zero
-        p0 = int(pos0[0])
-        nwc = _window_count(t, p0, W)
-        nslot = nwc + _comp_count(t, sel, n_comp, all_visible, ncap)
+        p0 = int(pos0[0])  # DEC: the window's entry count
+        if DEC:  # this split's whole tiles of the list: slots tb0·MKC .. send-1
+            nwc = W
+            nslot = W + _comp_count(0, sel, n_comp, all_visible, ncap)
+            per = ((nslot + MKC - 1) // MKC + cuda.gridDim.x - 1) // cuda.gridDim.x
+            tb0 = cuda.blockIdx.x * per
+            send = min(nslot, (tb0 + per) * MKC)
+        else:
+            nwc = _window_count(t, p0, W)
+            nslot = nwc + _comp_count(t, sel, n_comp, all_visible, ncap)
+            tb0 = 0
+            send = nslot
         # The pipeline: tile i's words (and its keys' scale words) are requested during tile
         # i-1's MMAs, its key codes during tile i-2 (a code may need sel[t, ·] first: two
         # dependent reads kept off the path between barriers).
@@ -385,15 +408,20 @@ def _mma_kernel(K: int, R: int, MT: int):
         # lineinfo=True, as the naive kernel's doc says)
         if tid < MKC:
             for i in range(2):
-                m = tid + i * MKC
-                kcode[i, tid] = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap) \
-                    if m < nslot else -1
+                m = (tb0 + i) * MKC + tid
+                code = -1
+                if m < send:
+                    if DEC:
+                        code = _decode_key_code(m, p0, W, sel, all_visible, ncap)
+                    else:
+                        code = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap)
+                kcode[i, tid] = code
         cuda.syncthreads()
         sw = _request_tile(wv, win, chunk, comp, kcode, 0, tid)
         if tid < MKC:
             kscl[0, tid] = sw
         cuda.syncthreads()
-        for ti in range((nslot + MKC - 1) // MKC):
+        for ti in range(max(0, (send - tb0 * MKC + MKC - 1) // MKC)):
             cur, nxt = ti % 3, (ti + 1) % 3
             # 1. decode this tile (words in wv) into kt and vt
             for u in range(NLD):
@@ -433,9 +461,13 @@ def _mma_kernel(K: int, R: int, MT: int):
             # the next tile's words and the codes of the one after, requested now: in flight
             # during this tile's MMAs
             sw = _request_tile(wv, win, chunk, comp, kcode, nxt, tid)
-            m = (ti + 2) * MKC + tid
-            code2 = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap) \
-                if tid < MKC and m < nslot else -1
+            m = (tb0 + ti + 2) * MKC + tid
+            code2 = -1
+            if tid < MKC and m < send:
+                if DEC:
+                    code2 = _decode_key_code(m, p0, W, sel, all_visible, ncap)
+                else:
+                    code2 = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap)
             # 2. this warp's part of the scores: its K/4 dims, 2 n-tiles, hi and lo
             for i in range(8):
                 sh[i] = zero
@@ -520,7 +552,16 @@ def _mma_kernel(K: int, R: int, MT: int):
         for r in range(2):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
             row = hr + g + 8 * r
             h = h0 + row
-            if h < H:
+            if DEC and h < H:  # partials [split, head, Σ p·k | max | sum]: combined later
+                b = cuda.blockIdx.x
+                for ni in range(NI):
+                    d = (K // 4) * wq + 8 * ni + 2 * c
+                    out[b, h, d] = acc[4 * ni + 2 * r]
+                    out[b, h, d + 1] = acc[4 * ni + 2 * r + 1]
+                if wq == 0 and c == 0:
+                    out[b, h, K] = smem_f[M0 + row]
+                    out[b, h, K + 1] = smem_f[L0 + row]
+            elif h < H:
                 z = sinks[h]
                 mr = smem_f[M0 + row]
                 M = max(mr, z)
@@ -531,8 +572,10 @@ def _mma_kernel(K: int, R: int, MT: int):
                     out[t, h, d] = acc[4 * ni + 2 * r] * f
                     out[t, h, d + 1] = acc[4 * ni + 2 * r + 1] * f
 
-    _MMAS[(K, R, MT)] = (_attention_prefill_mma, NT, 4 * WORDS)
-    return _MMAS[(K, R, MT)]
+    if DEC:
+        _attention_prefill_mma.__name__ = "_attention_decode_mma"
+    _MMAS[(K, R, MT, DEC)] = (_attention_prefill_mma, NT, 4 * WORDS)
+    return _MMAS[(K, R, MT, DEC)]
 
 
 @device.kernel
@@ -607,6 +650,8 @@ PTX_SIGNATURES = [
                                     f"uint32[:, ::1], {_TAIL})"),  # V4-Flash, 256 threads
     (_mma_kernel(512, 64, MAX_MT)[0], f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], "
                                       f"uint64[:, ::1], {_TAIL})"),  # V4-Flash
+    (_mma_kernel(512, 64, MAX_MT, DEC=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
+                                                f"uint64[:, ::1], uint64[:, ::1], {_TAIL})"),
     (_store_chunk_rows, "void(uint32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 

@@ -252,6 +252,21 @@ class SideStream:
             self.joined.wait(main)
 
 
+_STREAM_BUFFERS: dict = {}
+
+
+def stream_buffer(name: str, stream, shape: tuple, dtype):
+    """A device array for ``name`` private to ``stream``: scratch that one launch writes and the
+    next on the same stream reads (launches on one stream run in order, so they can share it;
+    the decode's concurrent branches get their own). Allocated on first use — before any graph
+    capture, since capture_graph warms its launches — and kept, as a captured graph holds its
+    address."""
+    key = (name, id(stream), tuple(shape), np.dtype(dtype).str)
+    if key not in _STREAM_BUFFERS:  # the entry keeps the stream alive: its id is not reused
+        _STREAM_BUFFERS[key] = (stream, cuda.device_array(shape, dtype))
+    return _STREAM_BUFFERS[key][1]
+
+
 def capture_graph(launches, stream, warm: bool = True):
     """Capture ``launches`` (zero-argument callables launching on ``stream``) as one CUDA graph;
     returns a zero-argument ``replay`` (gpu_notes §7: ~1.2 µs per kernel on replay instead of

@@ -19,9 +19,12 @@ Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one
   shared memory) and streams rows past it; each lane issues R x CPL independent 16-byte
   ``ld.global.nc.v4`` loads per step, and the next step's loads go out before this step's math.
   Blocks are persistent (grid-stride over row groups), so x is read once per block.
-- ``_gemv_q8_0_dp4a_prefetch_splitk_b1``: the same with x split into three int8 limbs so that
-  dp4a does the Q8_0 dot products at float32 accuracy (see ``_x_limbs``); used when each block
-  streams enough rows to repay quantising x (the 129280-row output head).
+- ``_gemv_q8_0_dp4a_prefetch_splitk_b1`` (Q8_0 decode, one token per weight, when blocks
+  stream several row groups: the output head, attn_q_b; see DP4A_WHEN): the same with x split
+  into three int8 limbs so that dp4a does the Q8_0 dot products at float32 accuracy (see
+  ``_x_limbs``). ``_q8_0_x_limbs`` makes the limbs once per launch (a second, tiny launch);
+  every block loads its lanes' limbs from that copy instead of quantising x itself. dp4a takes
+  ~20 instructions per 16 weight bytes where the float kernel takes ~80.
 - ``_gemm_<t>_smem_tiles`` (prefill, T > 4): a shared-memory tiled SGEMM; each weight tile is
   dequantised once into shared memory and reused by a tile of tokens. On a GPU the launcher
   hands these shapes to the tensor-core GEMM of mma.py instead (bf16x3 MMAs, float32-exact to
@@ -42,7 +45,9 @@ from numba import cuda
 
 from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
 from .bench import BenchCase
-from .device import SIMULATOR, block_sum, capture_graph, cdiv, kernel, sm_count, warp_sum
+from .device import (SIMULATOR, block_sum, capture_graph, cdiv, kernel, sm_count, stream_buffer,
+                     warp_sum)
+from .lowbit_layout import _f32_bits
 from .qweight import QWeight
 
 DECODE_MAX_TOKENS = 4  # shared weights: up to this many tokens use the decode kernel
@@ -301,7 +306,7 @@ _MAGIC_F = np.float32(12582912.0)
 def _x_limbs(x, t, base, ok):
     """x[t, base : base + 16] (zeros if not ok) -> (12 words: limb l's elements 4m .. 4m+3 in
     word 4l + m, element 4m + k in byte k; the 3 limb scales). Returned by value so the caller's
-    arrays stay in registers; runs once per block."""
+    arrays stay in registers."""
     words = cuda.local.array(12, np.int32)
     amax = np.float32(0)
     if ok:
@@ -338,6 +343,27 @@ def _limb(r, s, inv):
     return q, r - np.float32(q) * s
 
 
+XLW = 16  # words of prepared x per 16-column chunk: 12 limb words, s1's bits, 3 zero (64 bytes)
+
+
+@kernel
+def _q8_0_x_limbs(xl, x):
+    """xl[t, XLW c : XLW (c + 1)] <- the limbs of x[t, 16 c : 16 (c + 1)] (``_x_limbs``): x is
+    quantised once per launch here, not once per block of the dp4a GEMV that reads it."""
+    i = cuda.grid(1)
+    T, K = x.shape
+    nchunk = K // 16
+    if i < T * nchunk:
+        t = i // nchunk
+        c = i - t * nchunk
+        limbs, scales = _x_limbs(x, t, 16 * c, True)
+        for j in range(12):
+            xl[t, XLW * c + j] = limbs[j]
+        xl[t, XLW * c + 12] = _f32_bits(scales[0])  # s2, s3 follow from s1 (exactly as there)
+        for j in range(13, XLW):
+            xl[t, XLW * c + j] = 0
+
+
 @cuda.jit(device=True)
 def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, SCALED):
     """Issue the R x CPL 16-byte loads (and scales) of flat rows row0 .. row0 + R - 1, without
@@ -357,7 +383,8 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False):
     """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
     16-byte chunks of its warp's K-slice and holds their x; R rows per warp per step. The next
     step's loads are issued before this step's math (registers double-buffered), so a warp
-    always has loads in flight. ``int8`` (Q8_0 only): dp4a on three int8 limbs of x."""
+    always has loads in flight. ``int8`` (Q8_0 only): dp4a on three int8 limbs of x, which
+    x then holds: int32 [T, K / 16 * XLW] from ``_q8_0_x_limbs``."""
     EPW, dq, WDT = ty.epw, ty.dq, ty.wdtype
     EC = 4 * EPW  # elements per 16-byte chunk
     INT8 = int8
@@ -399,12 +426,16 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False):
             ok = j * 32 + lane < span and c < nchunk
             for b in range(B):
                 sl = b * CPL + j
-                if INT8:
-                    limbs, scales = _x_limbs(x, t0 + b, c * EC, ok)
-                    for i in range(12):
-                        xq[sl * 12 + i] = limbs[i]
-                    for i in range(3):
-                        xs[sl * 3 + i] = scales[i]
+                if INT8:  # x is _q8_0_x_limbs' output; chunks past the row get scale 0
+                    base = ((t0 + b) * nchunk + min(c, nchunk - 1)) * XLW
+                    for m in range(3):
+                        q = sl * 12 + 4 * m
+                        xq[q], xq[q + 1], xq[q + 2], xq[q + 3] = _ld_x4(x, base + 4 * m)
+                    s1 = _bits_f32(_ld(x, base + 12)) if ok else np.float32(0)
+                    s2 = s1 * _LIMB
+                    xs[sl * 3] = s1
+                    xs[sl * 3 + 1] = s2
+                    xs[sl * 3 + 2] = s2 * _LIMB
                 else:
                     for i in range(EC):
                         xf[sl * EC + i] = x[t0 + b, c * EC + i] if ok else np.float32(0)
@@ -598,10 +629,11 @@ _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
                                _batched_kernel(ty, GEMM_MICRO, GEMM_MICRO),
                                _decode_kernel(ty, 1, 2, 4, int8=True) if ty is _Q8_0 else None)
             for ty in (_F32, _F16, _BF16, _Q8_0)}
-# dp4a wins once a block streams many row groups past its x (quantising x into limbs costs a few
-# microseconds per block): on the H200 the 129280-row head ran 181 µs against 190 µs with the
-# float kernel, while 4096 x 8192 (one group per block) ran 67 µs against 32 µs.
-DP4A_MIN_GROUPS_PER_BLOCK = 16
+# DP4A_WHEN: the Q8_0 decode takes dp4a (prepared x, +1 launch) only when the persistent grid
+# is full and blocks stream more than one row group; else the float kernel. H200, graphs of 20
+# (2026-12-02): attn_q_b 32768 x 1024 18.6 vs 20.8 µs, output head 164 vs 182 µs; one group
+# per block loses the extra launch: attn_output_b 26.6 vs 24.1, attn_q_a 8.9 vs 6.4, attn_kv
+# 8.0 vs 4.8, shared expert 12.4 vs 9.7 µs.
 _TYPES = {ty.qtype: ty for ty in (_F32, _F16, _BF16, _Q8_0)}
 _ROWS = {ty.qtype: _thread_per_row_kernel(ty) for ty in (_F32, _F16, _BF16, _Q8_0)}
 
@@ -675,9 +707,12 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         wr_n = max(1, (threads or 128) // (32 * wk_n))
         nt = 32 * wk_n * wr_n
         grid = (min(cdiv(N, wr_n * R), _max_blocks(nt)), T // B)
-        if auto and kern.dp4a is not None and B == 1 and cdiv(N, wr_n * R) >= (
-                DP4A_MIN_GROUPS_PER_BLOCK * grid[0]):
-            method = "dp4a"
+        if auto and kern.dp4a is not None and B == 1 and cdiv(N, wr_n * R) > grid[0]:
+            method = "dp4a"  # see DP4A_WHEN
+        if method == "dp4a":  # x -> int8 limbs once, then the GEMV (two launches)
+            xl = stream_buffer("q8_0 x limbs", stream, (T, nchunk * XLW), np.int32)
+            _q8_0_x_limbs[cdiv(T * nchunk, 128), 128, stream](xl, x)
+            x = xl
         k = kern.dp4a if method == "dp4a" else kern.decode[B]
         k[grid, nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span)
     else:
@@ -751,11 +786,15 @@ def _signatures():
         ks = _KERNELS[ty.qtype]
         yield ks.naive, h + "int64, int64)"
         yield _ROWS[ty.qtype], h + "int64, int64)"
-        for kd in [*ks.decode.values(), *([ks.dp4a] if ks.dp4a else [])]:
+        for kd in ks.decode.values():
             yield kd, h + "int64, int64, int64, int64, int64)"
+        if ks.dp4a:  # x: the prepared limbs
+            yield ks.dp4a, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
+                + "int64, int64, int64, int64, int64)"
         yield ks.batched, h.replace("void(float32[:, ::1]", "void(float32[:, :, ::1]") + \
             "int64, int64, int64, int64, int64)"
     yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"
+    yield _q8_0_x_limbs, "void(int32[:, ::1], float32[:, ::1])"
 
 
 PTX_SIGNATURES = list(_signatures())
@@ -780,7 +819,7 @@ def bench_cases(stream) -> list[BenchCase]:
     shapes = [("attn_q_b", 32768, 1024), ("attn_output_b", 4096, 8192), ("attn_q_a", 1024, 4096),
               ("attn_kv", 512, 4096), ("output", 129280, 4096), ("shexp_gate", 2048, 4096),
               ("shexp_down", 4096, 2048)]
-    plan = [(_Q8_0, n, N, K, T, "decode") for n, N, K in shapes for T in (1,)]
+    plan = [(_Q8_0, n, N, K, 1, m) for n, N, K in shapes for m in ("decode", "xregs")]
     plan += [(_Q8_0, "attn_q_b", 32768, 1024, T, "decode") for T in (2, 4)]
     plan += [(ty, "square", 4096, 4096, 1, "decode") for ty in (_F32, _F16, _BF16)]
     plan += [(_Q8_0, "attn_output_b", 4096, 8192, 1, "naive"),
@@ -793,10 +832,11 @@ def bench_cases(stream) -> list[BenchCase]:
         x = cuda.to_device(xh, stream=stream)
         out = cuda.device_array((T, N), np.float32, stream=stream)
         fn = globals()[f"gemv_{ty.name}"]
-        reps = 20 if method == "decode" else 2
+        reps = 20 if method in ("decode", "xregs") else 2
+        how = {"decode": None, "xregs": "decode"}.get(method, method)  # decode: as the model runs
 
-        def one(w, fn=fn, out=out, x=x, how=None if method == "decode" else method):
-            return lambda: fn(out, w, x, stream=stream, method=how)  # decode: as the model runs
+        def one(w, fn=fn, out=out, x=x, how=how):
+            return lambda: fn(out, w, x, stream=stream, method=how)
         launch = capture_graph([one(copies[i % len(copies)]) for i in range(reps)], stream)
 
         def check(host=host, xh=xh, out=out, N=N):

@@ -26,10 +26,11 @@ Kernels per type ``<t>`` (the launcher picks by T):
 - ``_gemv_<t>_block_per_row``: one block per (row, token), a thread per element, block
   reduction; scalar float dequant. The obviously-right baseline.
 - ``_gemv_<t>_dp4a_slots`` (decode, T <= DECODE_MAX_TOKENS, or any T with ids): a lane owns one
-  16-byte "slot" of every row (64 or 32 columns). The block first requests its first rows
-  (16-byte ld.global.nc), then quantises x[t] once into shared memory as int16 per slot split
-  into a signed high and an unsigned low byte plane, x ~ scale·(256·hi + lo); each lane keeps
-  its slot's x in registers. Rows stream past R_ROWS at a time, the next step's loads issued
+  16-byte "slot" of every row (64 or 32 columns). x[t] comes prepared by ``_x_slots_<t>`` (a
+  small launch before it, once for all blocks): int16 per slot split into a signed high and an
+  unsigned low byte plane, x ~ scale·(256·hi + lo), in slot order, with the sums per 16
+  columns. The block requests its first rows (16-byte ld.global.nc), then loads its slot's x
+  into registers. Rows stream past R_ROWS at a time, the next step's loads issued
   before this step's math; codes become int8 in registers and meet x in ``dp4a`` (4 multiply-
   adds per integer instruction: the float pipe is not the limit). IQ2_XXS takes its grid rows
   (and their negations) and sign masks from shared memory, in copies that spread a half-warp's
@@ -59,7 +60,7 @@ from .. import quants
 from ..quants import GGMLType
 from . import device
 from .bench import BenchCase
-from .device import SIMULATOR, block_sum, cdiv, kernel, xor_shfl
+from .device import SIMULATOR, block_sum, cdiv, kernel, stream_buffer, xor_shfl
 from .lowbit_layout import (GRID_REPS, IQ2_TABLE_WORDS, SIGN_REPS, _GRID_NEG_U64, _GRID_U64,
                             _SIGN_U64, _f32_bits, _iq2_xxs_dot, _iq2_xxs_elem, _iq2_xxs_word,
                             _iq2_xxs_xcol, _ld_u64x2, _mxfp4_dot, _mxfp4_elem, _mxfp4_word,
@@ -158,27 +159,72 @@ def _block_per_row_kernel(elem):
     return kernel(gemv_block_per_row)
 
 
-K_MAX = 8192  # decode: longest row (x staging and per-slot tables in shared memory)
+K_MAX = 8192  # decode: longest row (per-slot tables in shared memory)
 RED_FLOATS = 1024  # decode: warp partials, rows per block x warps
 XCH_FLOATS = R_ROWS * 256 if SIMULATOR else 1  # simulator lane exchanges (threads <= 256)
+PREP_THREADS = 128  # x preparation: threads per block
 
 
-def _dp4a_slots_kernel(xcol, dot, slot_cols, table_words, **jit_opts):
+def _x_slots_kernel(xcol, slot_cols):
+    xw = slot_cols // 4  # x words per slot (4 columns each)
+
+    def prepare_x_slots(xq, xsum, xs, x):
+        # x[b] -> int16 q = round(x / s) per slot (|q| <= 32000, s = max|x| / 32000 over the
+        # slot), one 4-column word per thread: high bytes (signed) | low bytes (unsigned) << 32
+        # into xq[b], in slot order; x . w = s * (256 dp4a(w, high) + dp4a(w, low)). Also the
+        # sums of q per 16 columns (the K-quants' mins) and s per slot. Rounding by adding
+        # 1.5 * 2^23 (no float->int conversion instruction). The xw words of a slot sit in
+        # consecutive lanes, so slot maxima and 16-column sums are xor butterflies. Grid
+        # (K / 4 / threads, T): the GEMV's blocks all read this once-made copy.
+        t = cuda.threadIdx.x
+        i = cuda.blockIdx.x * cuda.blockDim.x + t
+        b = cuda.blockIdx.y
+        K = x.shape[1]
+        xch = cuda.shared.array(XCH_FLOATS, float32)
+        c0 = xcol(i // xw, i % xw) if i < K // 4 else 0
+        v0, v1, v2, v3 = x[b, c0], x[b, c0 + 1], x[b, c0 + 2], x[b, c0 + 3]
+        a = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
+        off = xw >> 1
+        while off > 0:
+            a = max(a, xor_shfl(a, off, xch))
+            off >>= 1
+        inv = float32(32000) / a if a > 0 else float32(0)
+        q0 = int32(_f32_bits(v0 * inv + float32(12582912.0))) - int32(0x4B400000)
+        q1 = int32(_f32_bits(v1 * inv + float32(12582912.0))) - int32(0x4B400000)
+        q2 = int32(_f32_bits(v2 * inv + float32(12582912.0))) - int32(0x4B400000)
+        q3 = int32(_f32_bits(v3 * inv + float32(12582912.0))) - int32(0x4B400000)
+        hw = (uint32((q0 >> 8) & 255) | (uint32((q1 >> 8) & 255) << uint32(8))
+              | (uint32((q2 >> 8) & 255) << uint32(16))
+              | (uint32((q3 >> 8) & 255) << uint32(24)))
+        lw = (uint32(q0 & 255) | (uint32(q1 & 255) << uint32(8))
+              | (uint32(q2 & 255) << uint32(16)) | (uint32(q3 & 255) << uint32(24)))
+        qsum = float32(q0 + q1 + q2 + q3)
+        qsum += xor_shfl(qsum, 1, xch)
+        qsum += xor_shfl(qsum, 2, xch)
+        if i < K // 4:
+            xq[b, i] = uint64(hw) | (uint64(lw) << uint64(32))
+            if i % 4 == 0:
+                xsum[b, i // 4] = int32(qsum)
+            if i % xw == 0:
+                xs[b, i // xw] = a / float32(32000)
+    return kernel(prepare_x_slots)
+
+
+def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
     xw = slot_cols // 4  # x words per slot (4 columns each)
     runs = max(xw // 4, 1)  # 16-column runs per slot (the K-quant sub-blocks)
-    stage_words = max(table_words, K_MAX // 4)
-    run_words, scale_words = K_MAX // 16, K_MAX // 32
     grid_words = 2 * GRID_REPS * 256
 
-    def gemv_dp4a_slots(out, planes, x, ids, rows_per_block):
+    def gemv_dp4a_slots(out, planes, xq, xsum, xs, ids, rows_per_block):
         # grid (row blocks, T); thread t = slot * rs + row lane: the rs lanes of a slot take rs
-        # consecutive rows, the S slots of a row are spread over the block's warps.
+        # consecutive rows, the S slots of a row are spread over the block's warps. x[b] comes
+        # prepared (xq, xsum, xs: prepare_x_slots).
         t = cuda.threadIdx.x
         nt = cuda.blockDim.x
         b = cuda.blockIdx.y
         e = ids[b] if b < ids.shape[0] else 0
         N = out.shape[1]
-        K = x.shape[1]
+        K = 4 * xq.shape[1]
         rs = nt // (K // slot_cols)
         sl = t // rs
         rl = t - sl * rs
@@ -189,66 +235,30 @@ def _dp4a_slots_kernel(xcol, dot, slot_cols, table_words, **jit_opts):
         nrows = min(rows_per_block, N - row0)
         step = rs * R_ROWS
         # The first step's weights are requested before anything else, so the DRAM latency
-        # overlaps the x preparation below; each later step is requested a step ahead.
+        # overlaps the x loads below; each later step is requested a step ahead.
         wa = cuda.local.array(R_ROWS, uint64)
         wb = cuda.local.array(R_ROWS, uint64)
         for r in range(R_ROWS):
             wa[r], wb[r] = _ld_u64x2(qs, e, row0 + min(r * rs + rl, nrows - 1), 2 * sl)
-        tab = cuda.shared.array(stage_words, uint64)  # x staging, then the IQ2_XXS tables
+        tab = cuda.shared.array(table_words, uint64)  # the IQ2_XXS tables
         red = cuda.shared.array(RED_FLOATS, float32)
         xch = cuda.shared.array(XCH_FLOATS, float32)
-        run_sums = cuda.shared.array(run_words, int32)
-        scales = cuda.shared.array(scale_words, float32)
 
-        # 1. x[b] -> int16 q = round(x / xs) per slot (|q| <= 32000, xs = max|x| / 32000), one
-        # 4-column word per thread: high bytes (signed) | low bytes (unsigned) << 32 into tab, in
-        # slot order. x . w = xs * (256 dp4a(w, high) + dp4a(w, low)). Rounding by adding
-        # 1.5 * 2^23 (no float->int conversion instruction). The xw words of a slot sit in
-        # consecutive lanes, so slot maxima and 16-column sums are xor butterflies.
-        for i0 in range(0, K // 4, nt):  # same trip count for every thread (exchanges)
-            i = i0 + t
-            c0 = xcol(i // xw, i % xw) if i < K // 4 else 0
-            v0, v1, v2, v3 = x[b, c0], x[b, c0 + 1], x[b, c0 + 2], x[b, c0 + 3]
-            a = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
-            off = xw >> 1
-            while off > 0:
-                a = max(a, xor_shfl(a, off, xch))
-                off >>= 1
-            inv = float32(32000) / a if a > 0 else float32(0)
-            q0 = int32(_f32_bits(v0 * inv + float32(12582912.0))) - int32(0x4B400000)
-            q1 = int32(_f32_bits(v1 * inv + float32(12582912.0))) - int32(0x4B400000)
-            q2 = int32(_f32_bits(v2 * inv + float32(12582912.0))) - int32(0x4B400000)
-            q3 = int32(_f32_bits(v3 * inv + float32(12582912.0))) - int32(0x4B400000)
-            hw = (uint32((q0 >> 8) & 255) | (uint32((q1 >> 8) & 255) << uint32(8))
-                  | (uint32((q2 >> 8) & 255) << uint32(16))
-                  | (uint32((q3 >> 8) & 255) << uint32(24)))
-            lw = (uint32(q0 & 255) | (uint32(q1 & 255) << uint32(8))
-                  | (uint32(q2 & 255) << uint32(16)) | (uint32(q3 & 255) << uint32(24)))
-            qsum = float32(q0 + q1 + q2 + q3)
-            qsum += xor_shfl(qsum, 1, xch)
-            qsum += xor_shfl(qsum, 2, xch)
-            if i < K // 4:
-                tab[i] = uint64(hw) | (uint64(lw) << uint64(32))
-                if i % 4 == 0:
-                    run_sums[i // 4] = int32(qsum)
-                if i % xw == 0:
-                    scales[i // xw] = a / float32(32000)
-        cuda.syncthreads()
+        # 1. my slot's x: xw words, split into the high and low byte planes
         xh = cuda.local.array(xw, uint32)
         xl = cuda.local.array(xw, uint32)
-        xsum = cuda.local.array(runs, int32)
+        xsl = cuda.local.array(runs, int32)
         for k in range(xw):
-            v = tab[sl * xw + k]
+            v = xq[b, sl * xw + k]
             xh[k] = uint32(v & uint64(0xFFFFFFFF))
             xl[k] = uint32(v >> uint64(32))
         for k in range(runs):
-            xsum[k] = run_sums[sl * runs + k]
-        xs = scales[sl]
-        if table_words > 1:  # IQ2_XXS: (g, -g) grid rows and sign masks over the staging area
+            xsl[k] = xsum[b, sl * runs + k]
+        xsc = xs[b, sl]
+        if table_words > 1:  # IQ2_XXS: (g, -g) grid rows and sign masks
             grid_p = cuda.const.array_like(_GRID_U64)
             grid_n = cuda.const.array_like(_GRID_NEG_U64)
             sign_c = cuda.const.array_like(_SIGN_U64)
-            cuda.syncthreads()
             for i in range(t, table_words, nt):
                 if i < grid_words:
                     j = i // (2 * GRID_REPS)
@@ -270,7 +280,7 @@ def _dp4a_slots_kernel(xcol, dot, slot_cols, table_words, **jit_opts):
                                                                nrows - 1), 2 * sl)
             for r in range(R_ROWS):
                 n = row0 + min(r0 + r * rs + rl, nrows - 1)
-                part[r] = dot(planes, e, n, sl, wa[r], wb[r], xh, xl, xsum, tab, lane) * xs
+                part[r] = dot(planes, e, n, sl, wa[r], wb[r], xh, xl, xsl, tab, lane) * xsc
             for r in range(R_ROWS):
                 wa[r] = na[r]
                 wb[r] = nb[r]
@@ -343,6 +353,7 @@ class _Spec(NamedTuple):
     naive: object
     decode: object
     gemm: object
+    prep: object  # the decode kernel's x preparation
 
 
 # The decode kernels want several blocks per SM with up to 47 KB of static shared memory each;
@@ -352,11 +363,13 @@ _DECODE_JIT = {} if SIMULATOR else {"shared_memory_carveout": "MaxShared"}
 
 def _spec(name, qtype, slot_cols, elem, xcol, dot, word, table_words=1) -> _Spec:
     naive = _block_per_row_kernel(elem)
-    decode = _dp4a_slots_kernel(xcol, dot, slot_cols, table_words, **_DECODE_JIT)
+    decode = _dp4a_slots_kernel(dot, slot_cols, table_words, **_DECODE_JIT)
     gemm = _smem_tiles_kernel(word)
-    for k, tech in ((naive, "block_per_row"), (decode, "dp4a_slots"), (gemm, "smem_tiles")):
-        k.__name__ = f"_{'gemm' if tech == 'smem_tiles' else 'gemv'}_{name}_{tech}"
-    return _Spec(name, qtype, slot_cols, naive, decode, gemm)
+    prep = _x_slots_kernel(xcol, slot_cols)
+    for k, kname in ((naive, f"_gemv_{name}_block_per_row"), (decode, f"_gemv_{name}_dp4a_slots"),
+                     (gemm, f"_gemm_{name}_smem_tiles"), (prep, f"_x_slots_{name}")):
+        k.__name__ = kname
+    return _Spec(name, qtype, slot_cols, naive, decode, gemm, prep)
 
 
 _Q2_K = _spec("q2_k", GGMLType.Q2_K, 64, _q2_k_elem, _q2_k_xcol, _q2_k_dot, _q2_k_word)
@@ -367,10 +380,12 @@ _MXFP4 = _spec("mxfp4", GGMLType.MXFP4, 32, _mxfp4_elem, _mxfp4_xcol, _mxfp4_dot
 SPECS = {s.qtype: s for s in (_Q2_K, _Q4_K, _IQ2_XXS, _MXFP4)}
 
 # Named per kernel for readers and profilers (the factories above build one of each per type).
-_gemv_q2_k_block_per_row, _gemv_q2_k_dp4a_slots, _gemm_q2_k_smem_tiles = _Q2_K[3:]
-_gemv_q4_k_block_per_row, _gemv_q4_k_dp4a_slots, _gemm_q4_k_smem_tiles = _Q4_K[3:]
-_gemv_iq2_xxs_block_per_row, _gemv_iq2_xxs_dp4a_slots, _gemm_iq2_xxs_smem_tiles = _IQ2_XXS[3:]
-_gemv_mxfp4_block_per_row, _gemv_mxfp4_dp4a_slots, _gemm_mxfp4_smem_tiles = _MXFP4[3:]
+_gemv_q2_k_block_per_row, _gemv_q2_k_dp4a_slots, _gemm_q2_k_smem_tiles, _x_slots_q2_k = _Q2_K[3:]
+_gemv_q4_k_block_per_row, _gemv_q4_k_dp4a_slots, _gemm_q4_k_smem_tiles, _x_slots_q4_k = _Q4_K[3:]
+(_gemv_iq2_xxs_block_per_row, _gemv_iq2_xxs_dp4a_slots, _gemm_iq2_xxs_smem_tiles,
+ _x_slots_iq2_xxs) = _IQ2_XXS[3:]
+(_gemv_mxfp4_block_per_row, _gemv_mxfp4_dp4a_slots, _gemm_mxfp4_smem_tiles,
+ _x_slots_mxfp4) = _MXFP4[3:]
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -448,10 +463,14 @@ def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | No
     if how == "naive":
         nt = min(_pow2_floor(threads or 128), 1024)
         spec.naive[(N, T), nt, stream](out, w.planes, x, ids_arr)
-    elif how == "decode":
-        args = (out, w.planes, x, ids_arr, 0)
+    elif how == "decode":  # x prepared once (a small launch), then the GEMV
+        xq = stream_buffer(f"{spec.name} x slots", stream, (T, K // 4), np.uint64)
+        xsum = stream_buffer(f"{spec.name} x sums", stream, (T, K // 16), np.int32)
+        xs = stream_buffer(f"{spec.name} x scales", stream, (T, K // spec.slot_cols), np.float32)
+        spec.prep[(cdiv(K // 4, PREP_THREADS), T), PREP_THREADS, stream](xq, xsum, xs, x)
+        args = (out, w.planes, xq, xsum, xs, ids_arr, 0)
         rows_per_block, grid = decode_config(spec, T, N, K, nt, _resident_blocks(spec, nt, args))
-        spec.decode[grid, nt, stream](out, w.planes, x, ids_arr, rows_per_block)
+        spec.decode[grid, nt, stream](*args[:-1], rows_per_block)
     else:
         assert ids is None, "the GEMM kernel runs one weight for all tokens"
         nt = min(_pow2_floor(threads or 256), 256)
@@ -492,8 +511,10 @@ _OUT_X = "float32[:, ::1], Tuple(({})), float32[:, ::1]"
 PTX_SIGNATURES = [
     sig for s in SPECS.values() for sig in (
         (s.naive, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int32[::1])"),
-        (s.decode, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int32[::1], int64)"),
-        (s.gemm, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int64)"))]
+        (s.decode, f"void(float32[:, ::1], Tuple(({_PLANE_SIGS[s.name]})), uint64[:, ::1], "
+                   "int32[:, ::1], float32[:, ::1], int32[::1], int64)"),
+        (s.gemm, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int64)"),
+        (s.prep, "void(uint64[:, ::1], int32[:, ::1], float32[:, ::1], float32[:, ::1])"))]
 
 PACKERS = {GGMLType.Q2_K: pack_q2_k, GGMLType.Q4_K: pack_q4_k, GGMLType.IQ2_XXS: pack_iq2_xxs,
            GGMLType.MXFP4: pack_mxfp4}

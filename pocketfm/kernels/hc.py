@@ -14,6 +14,10 @@ The partials are parked in out_u itself (row t holds M+1 partials per split, lai
 row with u, so no workspace is needed; that requires (M+1) * splits <= D, which the launcher
 guarantees by widening the blocks (and falls back to the naive kernel for tiny D).
 
+The decode engine passes a side stream instead (``side``): the partials then go to a
+workspace, ``_hc_pre_finish_u`` makes u on the main stream and ``_hc_pre_finish_post`` post
+and the Sinkhorn comb beside it, off the path to the sublayer (hc_post is their only reader).
+
 A prefill chunk passes a ``mix`` workspace instead: the mix is then one GEMM over the chunk's
 tokens (gemv.py picks the kernel; on a GPU the tensor cores), which reads fn once, not once per
 token, and ``_hc_pre_finish_mix`` (one block per token) adds the sum of squares and the rest.
@@ -290,22 +294,36 @@ def _collapse(out_u, X, pre, t, n):
 
 
 @cuda.jit(device=True)
-def _pre_from_mix(out_u, out_post, out_comb, X, mv, pre, base, scale, rms_eps, hc_eps, iters, t):
-    """The finish of token t from its raw mix mv[:M] and sum of squares mv[M] (shared memory,
-    complete): pre weights, post + Sinkhorn on one thread, then u = sum_i pre_i X_i."""
+def _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps):
+    """pre[i] = sigmoid(...) + eps (threads i < HC) from the raw mix mv[:HC] and the sum of
+    squares mv[M]; returns the rms factor rinv. Ends on a block barrier."""
     hc, D = X.shape[1], X.shape[2]
     M = (2 + hc) * hc
     rinv = np.float32(1.0 / math.sqrt(mv[M] / (hc * D) + rms_eps))
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    tid = cuda.threadIdx.x
     if tid < hc:
         pre[tid] = _sigmoid(mv[tid] * rinv * scale[0] + base[tid]) + hc_eps
     cuda.syncthreads()
-    if tid == nt - 1:  # the last warp has the least u work (D = 4096 = 4 x 1024 threads: none)
-        _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
-    if hc == 4:
+    return rinv
+
+
+@cuda.jit(device=True)
+def _collapse_pre(out_u, X, pre, t):
+    """_collapse with HC a literal for V4 (4: the loads unroll), else as it is."""
+    if X.shape[1] == 4:
         _collapse(out_u, X, pre, t, 4)
     else:
-        _collapse(out_u, X, pre, t, hc)
+        _collapse(out_u, X, pre, t, X.shape[1])
+
+
+@cuda.jit(device=True)
+def _pre_from_mix(out_u, out_post, out_comb, X, mv, pre, base, scale, rms_eps, hc_eps, iters, t):
+    """The finish of token t from its raw mix mv[:M] and sum of squares mv[M] (shared memory,
+    complete): pre weights, post + Sinkhorn on one thread, then u = sum_i pre_i X_i."""
+    rinv = _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps)
+    if cuda.threadIdx.x == cuda.blockDim.x - 1:  # the last warp has the least u work
+        _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
+    _collapse_pre(out_u, X, pre, t)
 
 
 @device.kernel
@@ -342,6 +360,35 @@ def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, 
         mv[M] = ss
     cuda.syncthreads()
     _pre_from_mix(out_u, out_post, out_comb, X, mv, pre, base, scale, rms_eps, hc_eps, iters, t)
+
+
+@device.kernel
+def _hc_pre_finish_u(out_u, X, part, base, scale, rms_eps, hc_eps, splits):
+    """One block per token: gather the partials (part, not parked in out_u), then only the pre
+    weights and u = sum_i pre_i X_i; post and comb come from _hc_pre_finish_post."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    mv = cuda.shared.array(MAX_ROWS1, np.float32)
+    pre = cuda.shared.array(MAX_HC, np.float32)
+    t = cuda.blockIdx.x
+    hc = X.shape[1]
+    _gather_partials(mv, part, t, (2 + hc) * hc + 1, splits, scratch)
+    _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps)
+    _collapse_pre(out_u, X, pre, t)
+
+
+@device.kernel
+def _hc_pre_finish_post(out_post, out_comb, X, part, base, scale, rms_eps, hc_eps, iters,
+                        splits):
+    """One block per token: gather the partials, then post and the Sinkhorn comb (one thread)."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    mv = cuda.shared.array(MAX_ROWS1, np.float32)
+    t = cuda.blockIdx.x
+    hc, D = X.shape[1], X.shape[2]
+    M = (2 + hc) * hc
+    _gather_partials(mv, part, t, M + 1, splits, scratch)
+    if cuda.threadIdx.x == 0:
+        rinv = np.float32(1.0 / math.sqrt(mv[M] / (hc * D) + rms_eps))
+        _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
 
 
 @device.kernel
@@ -417,26 +464,32 @@ def _threads(threads, default):
     return nt
 
 
-def _mix(out_u, X, fn, rows, stream, threads):
-    """Launch the split mix; returns the split count, or None when D is too small for it."""
+def _mix(dest, X, fn, rows, stream, threads):
+    """Launch the split mix into ``dest`` (out_u, where the partials are parked, or a
+    workspace); returns the split count, or None when D is too small for it."""
     T, hc, D = X.shape
     plan = _split_plan(D, hc, rows)
     if plan is None:
         return None
     cb, splits = plan
     nt = _threads(threads, min(MAX_THREADS, 32 * (rows + 1)))
-    _hc_mix_split[(splits, T), nt, stream](out_u, X, fn, cb)
+    _hc_mix_split[(splits, T), nt, stream](dest, X, fn, cb)
     return splits
 
 
 def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
-           threads=None, naive=False, mix=None) -> None:
+           threads=None, naive=False, mix=None, side=None) -> None:
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
     ``mix`` float32 [T, M] (a prefill chunk's workspace): the mix runs as one GEMM through
     gemv (on a GPU the tensor cores, bf16x3: rel. error ~1e-5), reading fn once for the whole
-    chunk instead of once per token (H200, 2,048 tokens: 6 ms per call with the split mix)."""
+    chunk instead of once per token (H200, 2,048 tokens: 6 ms per call with the split mix).
+
+    ``side`` (a device.SideStream; decode): post and comb, the Sinkhorn's serial chain of
+    2·iters normalisations, are made on the side stream while ``stream`` goes on with u and
+    the sublayer (they are only read by hc_post after it): the caller joins the side stream
+    before hc_post, and before the next hc_pre (its mix rewrites the partials)."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
@@ -447,6 +500,15 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         gemv(mix, QWeight(GGMLType.F32, M, C, 1, (fn.reshape(1, M, C),)), X.reshape(T, C),
              None, stream, threads)
         _hc_pre_finish_mix[T, nf, stream](out_u, out_post, out_comb, X, mix, base, scale, *eps)
+        return
+    plan = None if naive else _split_plan(D, hc, M)
+    if side is not None and plan is not None:
+        part = device.stream_buffer("hc_pre partials", stream, (T, (M + 1) * plan[1]),
+                                    np.float32)
+        splits = _mix(part, X, fn, M, stream, threads)
+        _hc_pre_finish_post[T, 128, side.fork(stream)](out_post, out_comb, X, part, base, scale,
+                                                       *eps, splits)
+        _hc_pre_finish_u[T, nf, stream](out_u, X, part, base, scale, *eps[:2], splits)
         return
     splits = None if naive else _mix(out_u, X, fn, M, stream, threads)
     if splits is None:
@@ -496,6 +558,9 @@ PTX_SIGNATURES = [
      f"void({_PRE_OUT}, {_F3}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_pre_finish_mix,
      f"void({_PRE_OUT}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64)"),
+    (_hc_pre_finish_u, f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64)"),
+    (_hc_pre_finish_post,
+     f"void({_F2}, {_F3}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_head_finish, f"void({_F2}, {_F3}, {_F1}, {_F1}, float32, float32, int64)"),
     (_hc_post_streams, f"void({_F3}, {_F2}, {_F3}, {_F2}, {_F3})"),
 ]
@@ -517,7 +582,22 @@ def bench_cases(stream):
     u, post, comb = dev(np.zeros((T, D))), dev(np.zeros((T, hc))), dev(np.zeros((T, hc, hc)))
     f, Xn = dev(rng.standard_normal((T, D))), dev(np.zeros((T, hc, D)))
     x_bytes = T * C * 4
-    cases = []
+    side = device.SideStream()
+    part = dev(np.zeros((T, (M + 1) * _split_plan(D, hc, M)[1])))
+    nf = min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32))
+
+    def pre_side():  # as the decode engine runs it (joined at the end here)
+        hc_pre(u, post, comb, X, fn, base, scale, 1e-6, 1e-6, 20, stream, side=side)
+        side.join(stream)
+
+    def u_path():  # what stays on the engine's main stream: the mix, then u
+        splits = _mix(part, X, fn, M, stream, None)
+        _hc_pre_finish_u[T, nf, stream](u, X, part, base, scale, np.float32(1e-6),
+                                        np.float32(1e-6), splits)
+    cases = [BenchCase("hc", "hc_pre T=1 side stream (post + Sinkhorn beside u), joined",
+                       pre_side, bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T),
+             BenchCase("hc", "hc_pre T=1 main-stream part only (mix + u)", u_path,
+                       bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T)]
     for naive in (False, True):
         sfx = " naive" if naive else ""
         cases += [

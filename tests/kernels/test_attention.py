@@ -22,7 +22,7 @@ def decode_inputs(rng, H):
     return q, win, comp, sinks
 
 
-def run_decode(q, win, nw, comp, sel, nc, hca, sinks, naive):
+def run_decode(q, win, nw, comp, sel, nc, hca, sinks, naive, **how):
     H = q.shape[0]
     scale = 1 / math.sqrt(K)
     arrs = [np.array([nw], np.int32), sel.astype(np.int32), np.array([nc], np.int32)]
@@ -32,7 +32,7 @@ def run_decode(q, win, nw, comp, sel, nc, hca, sinks, naive):
     out = poisoned((H, K))
     d = [cuda.to_device(a) for a in (q, win, arrs[0], comp, arrs[1], arrs[2], sinks)]
     at.attention_decode(out, d[0], d[1], d[2], d[3], d[4], d[5], hca, d[6], scale,
-                        threads=THREADS, naive=naive)
+                        threads=THREADS, naive=naive, **how)
     return out.copy_to_host(), ref
 
 
@@ -73,6 +73,31 @@ def test_attention_decode_sink_dominates():
     assert rel_err(out, ref) <= 1e-4 and np.abs(ref).max() < 1e-6
 
 
+@pytest.mark.parametrize("H,nw,tiles", [(4, 11, 1), (20, 16, 2)])
+def test_attention_decode_mma_csa(H, nw, tiles):
+    """The tensor-core decode (attention_prefill's kernel, decode form) vs float64: a window
+    partly filled, selection holes; H = 20 takes two m-tiles (the second cut short); two
+    tiles a split run the in-block pipeline across tiles."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, H)
+    sel = rng.choice(NCAP, S, replace=False)
+    sel[rng.integers(0, S, size=2)] = -1
+    out, ref = run_decode(q, win, nw, comp, sel, NCAP, 0, sinks, False, mma=True,
+                          tiles_per_split=tiles)
+    assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("nc", [37, 5])
+def test_attention_decode_mma_hca(nc):
+    """HCA on the tensor cores; with 5 visible entries the splits sized for the capacity (40)
+    outnumber the tiles, so the last splits are empty (max -inf, sum 0: weight 0)."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, 4)
+    sel = np.full(S, 123456, np.int32)  # garbage: must not be read
+    out, ref = run_decode(q, win, W, comp, sel, nc, 1, sinks, False, mma=True, tiles_per_split=1)
+    assert rel_err(out, ref) <= 1e-4
+
+
 def test_attention_chunk():
     rng = fresh_rng()
     T, H, M = 3, 2, 30
@@ -94,8 +119,9 @@ def test_attention_chunk():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
+@pytest.mark.parametrize("mma", [False, True])
 @pytest.mark.parametrize("hca", [0, 1])
-def test_attention_decode_v4_shapes(hca):
+def test_attention_decode_v4_shapes(hca, mma):
     rng = fresh_rng()
     H, K4, R4, W4 = 64, 512, 64, 128
     ncap = 1000
@@ -110,5 +136,5 @@ def test_attention_decode_v4_shapes(hca):
                             sinks.astype(np.float64), 1 / math.sqrt(K4))
     out = poisoned((H, K4))
     d = [cuda.to_device(a) for a in (q, win, nw, comp, sel, nc, sinks)]
-    at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4))
+    at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4), mma=mma)
     assert rel_err(out.copy_to_host(), ref) <= 1e-4

@@ -35,6 +35,28 @@ def test_hc_pre(naive, HC):
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
 
 
+@pytest.mark.parametrize("HC", [4, 3])
+def test_hc_pre_with_side_stream(HC):
+    """Decode with a side stream: u from _hc_pre_finish_u, post and comb from
+    _hc_pre_finish_post (the partials in a workspace, not in out_u); D = 256 so that the split
+    path runs."""
+    from pocketfm.kernels import device
+
+    rng = fresh_rng()
+    T, D, M = 2, 256, (2 + HC) * HC
+    X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, *_f64(X, fn, base, scale), 1e-6, 1e-6, 20)
+    u, post, comb = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC))
+    side = device.SideStream()
+    hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+              threads=THREADS, side=side)
+    side.join(0)
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+    assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
+    assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
 @pytest.mark.parametrize("T", [3, 7])
 def test_hc_pre_chunk_mix(T):
     """A prefill chunk: the mix as a GEMM into the ``mix`` workspace (T = 3: gemv's decode
