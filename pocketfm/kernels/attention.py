@@ -511,10 +511,10 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
 
     ``mma`` True / False / None (pick): the split kernel on the tensor cores (attention_prefill's
     kernel in its decode form, ``tiles_per_split`` 16-slot tiles a block) or on the CUDA cores.
-    The pick: tensor cores for HCA on a GPU, where they win (H200, 2026-12-02, graphs of 20:
-    128 + 2,048 entries 63.5 -> 41.9 µs, 128 + 8,192 148.8 -> 70.4 µs); CUDA cores for CSA's
-    640 slots (29.7 µs; tensor cores 30.6-37.7: at that size neither kernel's time is its
-    arithmetic) and in the simulator (``mma=True`` forces the tensor cores there)."""
+    The pick: tensor cores for HCA on a GPU, where they win (H200, 2026-12-02, graphs of 20,
+    BENCHMARKS.md: 128 + 2,048 entries 62.9 -> 42.6 µs, 128 + 8,192 148.7 -> 72.2 µs); CUDA
+    cores for CSA's 640 slots (29.8 µs; tensor cores 31.0-37.7: at that size neither kernel's
+    time is its arithmetic) and in the simulator (``mma=True`` forces the tensor cores there)."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))

@@ -76,6 +76,12 @@ def _sigmoid(v):
 
 
 @cuda.jit(device=True)
+def _rms_factor(ss, X, rms_eps):
+    """1 / rms of a token's HC x D stream values, from their sum of squares ss."""
+    return np.float32(1.0 / math.sqrt(ss / (X.shape[1] * X.shape[2]) + rms_eps))
+
+
+@cuda.jit(device=True)
 def _sinkhorn(c, n, iters, eps):
     """Sinkhorn in place on the n x n logits c[j * n + k] (row j = source stream, column k =
     destination): row softmax + eps, column normalise, then (iters - 1) x (row, column).
@@ -172,10 +178,10 @@ def _hc_pre_naive(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps
     t = cuda.grid(1)
     if t >= X.shape[0]:
         return
-    hc, D = X.shape[1], X.shape[2]
+    hc = X.shape[1]
     mv = cuda.local.array(MAX_ROWS, np.float32)
     ss = _mix_serial(mv, X, fn, t)
-    rinv = np.float32(1.0 / math.sqrt(ss / (hc * D) + rms_eps))
+    rinv = _rms_factor(ss, X, rms_eps)
     _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
     for i in range(hc):  # pre overwrites the first HC mix rows (no longer needed)
         mv[i] = _sigmoid(mv[i] * rinv * scale[0] + base[i]) + hc_eps
@@ -187,10 +193,10 @@ def _hc_head_naive(out_u, X, fn, base, scale, rms_eps, hc_eps):
     t = cuda.grid(1)
     if t >= X.shape[0]:
         return
-    hc, D = X.shape[1], X.shape[2]
+    hc = X.shape[1]
     mv = cuda.local.array(MAX_HC, np.float32)
     ss = _mix_serial(mv, X, fn, t)
-    rinv = np.float32(1.0 / math.sqrt(ss / (hc * D) + rms_eps))
+    rinv = _rms_factor(ss, X, rms_eps)
     for i in range(hc):
         mv[i] = _sigmoid(mv[i] * rinv * scale[0] + base[i]) + hc_eps
     _collapse_streams(out_u, mv, X, t)
@@ -297,9 +303,9 @@ def _collapse(out_u, X, pre, t, n):
 def _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps):
     """pre[i] = sigmoid(...) + eps (threads i < HC) from the raw mix mv[:HC] and the sum of
     squares mv[M]; returns the rms factor rinv. Ends on a block barrier."""
-    hc, D = X.shape[1], X.shape[2]
+    hc = X.shape[1]
     M = (2 + hc) * hc
-    rinv = np.float32(1.0 / math.sqrt(mv[M] / (hc * D) + rms_eps))
+    rinv = _rms_factor(mv[M], X, rms_eps)
     tid = cuda.threadIdx.x
     if tid < hc:
         pre[tid] = _sigmoid(mv[tid] * rinv * scale[0] + base[tid]) + hc_eps
@@ -383,11 +389,11 @@ def _hc_pre_finish_post(out_post, out_comb, X, part, base, scale, rms_eps, hc_ep
     scratch = cuda.shared.array(MAX_THREADS, np.float32)
     mv = cuda.shared.array(MAX_ROWS1, np.float32)
     t = cuda.blockIdx.x
-    hc, D = X.shape[1], X.shape[2]
+    hc = X.shape[1]
     M = (2 + hc) * hc
     _gather_partials(mv, part, t, M + 1, splits, scratch)
     if cuda.threadIdx.x == 0:
-        rinv = np.float32(1.0 / math.sqrt(mv[M] / (hc * D) + rms_eps))
+        rinv = _rms_factor(mv[M], X, rms_eps)
         _post_comb(out_post, out_comb, mv, rinv, base, scale, hc_eps, iters, t)
 
 
@@ -397,9 +403,9 @@ def _hc_head_finish(out_u, X, base, scale, rms_eps, hc_eps, splits):
     mv = cuda.shared.array(MAX_HC1, np.float32)
     pre = cuda.shared.array(MAX_HC, np.float32)
     t = cuda.blockIdx.x
-    hc, D = X.shape[1], X.shape[2]
+    hc = X.shape[1]
     _gather_partials(mv, out_u, t, hc + 1, splits, scratch)
-    rinv = np.float32(1.0 / math.sqrt(mv[hc] / (hc * D) + rms_eps))
+    rinv = _rms_factor(mv[hc], X, rms_eps)
     tid = cuda.threadIdx.x
     if tid < hc:
         pre[tid] = _sigmoid(mv[tid] * rinv * scale[0] + base[tid]) + hc_eps
@@ -458,6 +464,11 @@ def _split_plan(D: int, hc: int, rows: int):
     return None
 
 
+def _finish_threads(D: int, threads=None) -> int:
+    """Block size of the finish kernels: UNROLL u values a thread, at most FINISH_THREADS."""
+    return _threads(threads, min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32)))
+
+
 def _threads(threads, default):
     nt = threads or default
     assert nt % 32 == 0 and nt <= MAX_THREADS, "block size: a multiple of 32, at most 1024"
@@ -494,7 +505,7 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
     eps = (np.float32(rms_eps), np.float32(hc_eps), int(iters))
-    nf = _threads(threads, min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32)))
+    nf = _finish_threads(D, threads)
     if mix is not None:  # a chunk: the mix as one GEMM, fn read once for all T tokens
         C = hc * D
         gemv(mix, QWeight(GGMLType.F32, M, C, 1, (fn.reshape(1, M, C),)), X.reshape(T, C),
@@ -528,7 +539,7 @@ def hc_head(out_u, X, fn, base, scale, rms_eps, hc_eps, stream=0, threads=None,
     if splits is None:
         _hc_head_naive[cdiv(T, 32), 32, stream](out_u, X, fn, base, scale, *eps)
         return
-    nf = _threads(threads, min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32)))
+    nf = _finish_threads(D, threads)
     _hc_head_finish[T, nf, stream](out_u, X, base, scale, *eps, splits)
 
 
@@ -584,7 +595,7 @@ def bench_cases(stream):
     x_bytes = T * C * 4
     side = device.SideStream()
     part = dev(np.zeros((T, (M + 1) * _split_plan(D, hc, M)[1])))
-    nf = min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32))
+    nf = _finish_threads(D)
 
     def pre_side():  # as the decode engine runs it (joined at the end here)
         hc_pre(u, post, comb, X, fn, base, scale, 1e-6, 1e-6, 20, stream, side=side)
