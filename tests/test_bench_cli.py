@@ -25,9 +25,10 @@ def test_bench_prefill_beyond_the_model():
 
 
 def test_bench_tiny_in_the_simulator():
-    """A 40-position fill, then 4 tokens through the chunked prefill, then one decode step."""
+    """A 40-position fill, then 4 tokens through the chunked prefill, then one decode step
+    (and the --ncu-step one, eager on one stream: no profiler in the simulator)."""
     code, out, err = bench("--preset", "tiny", "--ctx", "40", "--prefill", "4",
-                           "--prefill-chunk", "4", "--tokens", "1", "--json")
+                           "--prefill-chunk", "4", "--tokens", "1", "--ncu-step", "--json")
     assert code == 0, err
     r = json.loads(out.strip().splitlines()[-1])
     assert r["ctx"] == 44 and r["decode_tok_s"] > 0
@@ -54,6 +55,14 @@ def test_bench_kv_swap_in_the_simulator():
     assert st["gpu_chunks"] == 100 and st["cycles"] == 3  # the first commit + 2 windows
     # the churned pages' 4 misses fit the 5 slots the first set left free: none waits
     assert st["misses"] == r["swap_in_rows"] + 4 and st["late_misses"] == 0
+
+
+def test_bench_profiling_is_refused_with_kv_swap():
+    for flag in ("--profile", "--ncu-step"):
+        code, _, err = bench("--preset", "tiny", "--ctx", "420", "--kv-swap", "--gpu-chunks",
+                             "100", flag)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag}:"), err
 
 
 def test_bench_kv_swap_bad_input():

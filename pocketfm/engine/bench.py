@@ -90,9 +90,9 @@ def _timed(work, stream) -> float:
     return cuda.event_elapsed_time(e0, e1)
 
 
-PROFILED = ("hc_pre", "hc_post", "hc_head", "rmsnorm", "rope", "attention_decode", "kv_pack",
-            "hadamard_fp4", "compressor_step", "indexer_scores", "topk", "moe_layer", "embed",
-            "argmax", "sample_top_p", "broadcast_rows", "gemv")
+PROFILED = ("hc_pre", "hc_post", "hc_head", "rmsnorm", "rmsnorm_rope", "attention_decode",
+            "kv_pack", "hadamard_fp4", "compressor_step", "indexer_scores", "topk", "moe_layer",
+            "embed", "argmax", "sample_top_p", "broadcast_rows", "gemv")
 
 
 def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
@@ -128,6 +128,25 @@ def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
         replay = device.capture_graph([launch] * repeats, eng.stream, warm=False)
         ms[label] += time_launches(replay, eng.stream, reps=3, warmup=1, rounds=3) * 1e3 / repeats
     return dict(ms.most_common())
+
+
+def ncu_step(eng: DecodeEngine) -> None:
+    """One more step, launched eagerly on the engine's one stream (no concurrent branches)
+    between cudaProfilerStart and cudaProfilerStop, for Nsight Compute: ``ncu
+    --profile-from-start off ... pocketfm bench --ncu-step`` then profiles every kernel of one
+    step, each alone (ncu serialises them and, by default, flushes the caches before each;
+    their sum is therefore above the replayed graph's step). The simulator has no profiler:
+    the step just runs."""
+    branches, eng.branches = eng.branches, False
+    try:
+        if not device.SIMULATOR:
+            cuda.profile_start()
+        eng.launch_step()
+        eng.stream.synchronize()
+    finally:
+        if not device.SIMULATOR:
+            cuda.profile_stop()
+        eng.branches = branches
 
 
 def time_prefill(eng: DecodeEngine, start: int, n: int, chunk: int, seed: int = 0) -> dict:
@@ -305,11 +324,12 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
               progress=None, profile: bool = False, prefill: int = 0,
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
-              churn: float = 0.1, lag: int | None = None) -> dict:
+              churn: float = 0.1, lag: int | None = None, ncu: bool = False) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
-    replays after its boundary (None: as ``run --kv-swap``)."""
+    replays after its boundary (None: as ``run --kv-swap``). ``ncu``: then one more step for
+    Nsight Compute (``ncu_step``; not with kv_swap)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
@@ -325,7 +345,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
                               cap_mib=1 << 30, lag=lag,
                               key_layers=tuple(i for i in csa if i not in targets))
     eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream),
-                       ctx + prefill + tokens + 3 + (interval if kv_swap else 0),
+                       ctx + prefill + tokens + 3 + int(ncu) + (interval if kv_swap else 0),
                        stream=stream, progress=progress, swap=swap)
     build_s = time.perf_counter() - t0
     fill_caches(eng, ctx, seed)
@@ -359,6 +379,8 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
         if prefill:
             T = min(prefill_chunk, prefill)  # the last prefill chunk again, alone
             extra["prefill_profile"] = profile_chunk(eng.prefill(prefill_chunk), ctx - T, T)
+    if ncu:
+        ncu_step(eng)
     return dict(
         **extra, **pre, preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
         decode_tok_s=1e3 / step_ms, step_ms=step_ms,

@@ -41,7 +41,7 @@ from ..kernels.gemv import gemv, simulator_prefers_rows
 from ..kernels.hc import hc_head, hc_post, hc_pre
 from ..kernels.indexer import indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
-from ..kernels.norm_rope import rmsnorm, rope
+from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
 from ..kernels.qat import hadamard_fp4, kv_pack
 from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
@@ -213,16 +213,14 @@ class DecodeEngine:
         u = self.u_norm
         side = self.side if self.branches else None  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
-               threads=nt, side=side, **sim)
-        rmsnorm(u, self.u_in, L.attn_norm, eps, True, s, threads=nt, **sim)
+               threads=nt, side=side, norm=(u, L.attn_norm), **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
         # the kv entry and the compressor on the side stream, beside the query and the indexer
         s2 = self.side.fork(s) if self.branches else s
         gemv(self.kv, L.kv, u, None, s2, threads=nt)
-        rmsnorm(self.kv, self.kv, L.kv_norm, eps, True, s2, threads=nt, **sim)
         kv3 = self.kv.reshape(1, 1, K)
-        rope(kv3, kv3, self.pos, L.freqs, False, s2, threads=nt, **sim)
+        rmsnorm_rope(kv3, kv3, L.kv_norm, eps, True, self.pos, L.freqs, s2, threads=nt, **sim)
         kv_pack(self.kv_row, self.kv, R, stream=s2, threads=nt)  # FP8 + the 584 B entry
         sk.store_row(c.window, self.kv_row, self.meta, s2)
         if c.ratio:
@@ -240,27 +238,29 @@ class DecodeEngine:
         rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
         gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, s, threads=nt)
         q2 = self.q.reshape(H, K)
-        rmsnorm(q2, q2, self.ones[:K], eps, False, s, threads=nt, **sim)  # weightless, per head
-        rope(self.q, self.q, self.pos, L.freqs, False, s, threads=nt, **sim)
+        rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, s,
+                     threads=nt, **sim)  # the weightless per-head norm, then RoPE
         if cfg.is_csa(i):
             self._indexer(i, L, c)
         if self.branches:
             self.side.join(s)
         scale = 1.0 / math.sqrt(K)
+        back = (self.pos, L.freqs)  # the output's inverse RoPE, inside the combine
         if cfg.is_csa(i):
             comp, sel = c.comp, self.sel
             if self.swap is not None:  # staging rows through the remapped top-k, or the pool
                 comp, sel = self.swap.attention_source(i, self.sel, s)
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel,
-                             self.n_comp[c.ratio], 0, L.sinks, scale, stream=s, threads=nt)
+                             self.n_comp[c.ratio], 0, L.sinks, scale, stream=s, threads=nt,
+                             out_rope=back)
         elif c.ratio:  # HCA: every emitted entry
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, c.comp,
                              self.no_sel, self.n_comp[c.ratio], 1, L.sinks, scale, stream=s,
-                             threads=nt)
+                             threads=nt, out_rope=back)
         else:
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, self.no_comp,
-                             self.no_sel, self.zero_count, 0, L.sinks, scale, stream=s, threads=nt)
-        rope(self.o, self.o, self.pos, L.freqs, True, s, threads=nt, **sim)
+                             self.no_sel, self.zero_count, 0, L.sinks, scale, stream=s, threads=nt,
+                             out_rope=back)
         G = cfg.o_groups
         gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
@@ -281,8 +281,8 @@ class DecodeEngine:
                         L.idx_ape, self.pos, c.ratio, True, L.idx_norm, L.freqs, cfg.rms_eps,
                         MODE_INDEX_FP4, None, keys, stream=s, threads=nt, rowmap=rowmap)
         gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, self.cq_norm, None, s, threads=nt)
-        rope(self.qi, self.qi, self.pos, L.freqs, False, s, threads=nt, **sim)
-        hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt, **sim)
+        hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt,
+                     rope=(self.pos, L.freqs), **sim)  # RoPE, rotation, FP4: one launch
         gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
         sk.scale(self.idx_w, index_weight_scale(cfg), s)
         n = self.n_comp[c.ratio]
@@ -304,8 +304,7 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         side = self.side if self.branches else None  # post + comb beside u and the MoE
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt, side=side, **sim)
-        rmsnorm(self.u_norm, self.u_in, L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
+               cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm), **sim)
         moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],

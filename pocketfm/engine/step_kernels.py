@@ -227,33 +227,37 @@ _PAD = 0x7FFFFFFF  # -1 pads sort as the largest key
 
 @device.kernel
 def _sort_selected(sel):
-    """A block per row: bitonic sort in shared memory over the next power of two >= k."""
+    """A block per row: bitonic sort in shared memory over the next power of two P >= k, a
+    thread per compare-exchange pair (P / 2 threads; fewer loop over the pairs). Index math in
+    int32, pair positions by bit operations: the loop is 45 barrier-separated stages at k = 512,
+    so each stage's few instructions are the kernel's time."""
     k = sel.shape[1]
-    row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    row, tid, nt = cuda.blockIdx.x, int32(cuda.threadIdx.x), int32(cuda.blockDim.x)
     sh = cuda.shared.array(SORT_MAX, int32)
-    P = 1
+    P = int32(1)
     while P < k:
-        P *= 2
+        P *= int32(2)
     for i in range(tid, P, nt):
-        v = sel[row, i] if i < k else -1
-        sh[i] = v if v >= 0 else _PAD
+        v = sel[row, i] if i < k else int32(-1)
+        sh[i] = v if v >= 0 else int32(_PAD)
     cuda.syncthreads()
-    size = 2
+    half = P >> int32(1)
+    size = int32(2)
     while size <= P:
-        stride = size // 2
+        stride = size >> int32(1)
         while stride > 0:
-            for i in range(tid, P, nt):
-                j = i ^ stride
-                if j > i:
-                    a, b = sh[i], sh[j]
-                    if (a > b) == ((i & size) == 0):  # ascending runs where bit `size` is 0
-                        sh[i], sh[j] = b, a
+            for t in range(tid, half, nt):
+                low = t & (stride - int32(1))
+                i = ((t - low) << int32(1)) | low  # pair t's lower position; j = i + stride
+                a, b = sh[i], sh[i + stride]
+                if (a > b) == ((i & size) == 0):  # ascending runs where bit `size` is 0
+                    sh[i], sh[i + stride] = b, a
             cuda.syncthreads()
-            stride //= 2
-        size *= 2
+            stride >>= int32(1)
+        size <<= int32(1)
     for i in range(tid, k, nt):
         v = sh[i]
-        sel[row, i] = v if v != _PAD else -1
+        sel[row, i] = v if v != _PAD else int32(-1)
 
 
 # ---- launchers ----------------------------------------------------------------------------------
@@ -344,7 +348,7 @@ def sort_selected(sel, stream=0) -> None:
     T, k = sel.shape
     if k > SORT_MAX:
         raise ValueError(f"sort_selected: rows of {k} > {SORT_MAX}")
-    nt = 32 if device.SIMULATOR else min(512, max(32, k // 2))
+    nt = 32 if device.SIMULATOR else min(512, max(32, k // 2))  # a thread per pair
     _sort_selected[T, nt, stream](sel)
 
 

@@ -28,12 +28,17 @@ from .. import ops
 from . import device, kvpack
 from .bench import BenchCase
 from .device import cdiv
+from .norm_rope import rope
 
 HPW = 2  # heads per warp: a lane holds q and the accumulator of HPW heads x K/32 dims
 DPL = 16  # dims per lane at most (K <= 512)
 KC = 16  # keys per shared-memory tile; HPW·KC = 32 (score s[hh, kk] is summed onto lane hh·KC+kk)
 HPWDPL = HPW * DPL  # (literals for cuda.local.array)
 MAX_SPLITS = 64  # each split writes a whole H x K partial: more cost more than they gain
+COMBINE_THREADS = MAX_COMBINE_THREADS = 128  # the combine's block: dims of one head
+# the CUDA-core decode kernel's least KC-slot tiles a split (decode_splits). H200, graphs of 20
+# (2026-12-02), CSA 128 + 512: 1 tile 30.1 µs, 2 tiles 28.7, 4 tiles 44.3, 8 tiles 78.7
+SPLIT_TILES = 2
 _ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
 assert HPW * KC == 32
 
@@ -430,11 +435,14 @@ def _split_kernel(K: int, R: int, NT: int):
 
 
 @device.kernel
-def _attention_combine(out, part, sinks):
+def _attention_combine(out, part, sinks, pos, freqs):
     """out[H, K] <- the P split partials of head blockIdx.y, dims blockIdx.x·blockDim.x + t,
     merged with the sink in the denominator. The P (max, sum) pairs go through shared memory
     once per block; the accumulator loads are issued eight at a time (independent loads in
-    flight instead of one L2 round trip per split)."""
+    flight instead of one L2 round trip per split). With freqs [R/2] not empty, the last R dims
+    are then rotated back by the inverse RoPE at pos[0] (§4.9) with norm_rope.rope's float32
+    cos/sin of a float64 angle: the pair partner is the neighbouring thread (R and K - R even,
+    blocks a multiple of 2 wide), through shared memory."""
     P = part.shape[0]
     H, K = out.shape
     h = cuda.blockIdx.y
@@ -456,24 +464,44 @@ def _attention_combine(out, part, sinks):
     for p in range(P):
         den += w[p] * sums[p]
     d = cuda.blockIdx.x * cuda.blockDim.x + t
+    o = float32(0.0)
     if d < K:
         num = float32(0.0)
         for p0 in range(0, P, 8):
             for u in range(8):
                 p = min(p0 + u, P - 1)
                 num += part[p, h, d] * (w[p] if p0 + u < P else float32(0.0))
-        out[h, d] = num / den
+        o = num / den
+    nope = K - 2 * freqs.shape[0]
+    if freqs.shape[0] > 0 and cuda.blockIdx.x * cuda.blockDim.x + cuda.blockDim.x > nope:
+        mine = cuda.shared.array(MAX_COMBINE_THREADS, float32)  # (uniform branch per block)
+        mine[t] = o if d < K else float32(0.0)
+        cuda.syncthreads()
+        if nope <= d < K:
+            k = (d - nope) // 2
+            ang = float(pos[0]) * freqs[k]
+            c = float32(math.cos(ang))
+            sn = float32(-math.sin(ang))
+            if (d - nope) % 2 == 0:
+                o = o * c - mine[t + 1] * sn
+            else:
+                o = mine[t - 1] * sn + o * c
+    if d < K:
+        out[h, d] = o
 
 
 _SCRATCH: dict = {}  # (P, H, K) -> the split partials part[P, H, K+2], allocated once
 
 
-def decode_splits(H: int, K: int, slots: int, threads: int) -> tuple[int, int]:
+def decode_splits(H: int, K: int, slots: int, threads: int,
+                  split_tiles: int = 1) -> tuple[int, int]:
     """(splits P, head groups) of the decode grid for ``slots`` key slots (W + S or W + Ncap):
-    about four blocks per SM, at most one split per KC-slot tile and at most MAX_SPLITS."""
+    about four blocks per SM, at least ``split_tiles`` KC-slot tiles a split and at most
+    MAX_SPLITS. Every split writes an H x (K + 2) partial that the combine reads back: at one
+    tile a split, CSA's 640 slots make 40 splits, 5.3 MB of partials for 374 KB of keys."""
     groups = cdiv(H, threads // 32 * HPW)
     sms = device.sm_count()
-    P = max(1, min(cdiv(slots, KC), cdiv(4 * sms, groups), MAX_SPLITS))
+    P = max(1, min(cdiv(slots, KC * split_tiles), cdiv(4 * sms, groups), MAX_SPLITS))
     return P, groups
 
 
@@ -501,7 +529,8 @@ def _partials(P: int, H: int, K: int, stream):
 
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
-                     naive: bool = False, part=None, mma=None, tiles_per_split: int = 4) -> None:
+                     naive: bool = False, part=None, mma=None, tiles_per_split: int = 4,
+                     out_rope=None, split_tiles: int | None = None) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -514,13 +543,21 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     The pick: tensor cores for HCA on a GPU, where they win (H200, 2026-12-02, graphs of 20,
     BENCHMARKS.md: 128 + 2,048 entries 62.9 -> 42.6 µs, 128 + 8,192 148.7 -> 72.2 µs); CUDA
     cores for CSA's 640 slots (29.8 µs; tensor cores 31.0-37.7: at that size neither kernel's
-    time is its arithmetic) and in the simulator (``mma=True`` forces the tensor cores there)."""
+    time is its arithmetic) and in the simulator (``mma=True`` forces the tensor cores there).
+
+    ``split_tiles``: the CUDA-core kernel's least KC-slot tiles a split (SPLIT_TILES).
+
+    ``out_rope`` (pos [1] int32, freqs [R/2] float64): out leaves with the last R dims rotated
+    back by the inverse RoPE at pos (§4.9), inside the combine (naive: norm_rope.rope after)."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
     if naive:
         nt = threads or 64
         _attention_decode_naive[cdiv(H, nt), nt, stream](out, *args, sinks, float32(scale), R)
+        if out_rope is not None:
+            o3 = out.reshape(1, H, K)
+            rope(o3, o3, *out_rope, True, stream, naive=True)
         return
     slots = window_packed.shape[0] + (comp_packed.shape[0] if all_visible else sel.shape[0])
     if (all_visible and not device.SIMULATOR) if mma is None else mma:
@@ -537,12 +574,26 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     else:
         nt = threads or 256
         kern, smem = _split_kernel(K, R, nt)
-        P, groups = decode_splits(H, K, slots, nt)
+        P, groups = decode_splits(H, K, slots, nt, split_tiles or SPLIT_TILES)
         part = _partials(P, H, K, stream) if part is None else part
         kern[(P, groups), nt, stream, smem](
             part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
             sel, n_comp_visible, int32(all_visible), float32(scale))
-    _attention_combine[(cdiv(K, 128), H), 128, stream](out, part, sinks)
+    pos, freqs = out_rope or (_no_pos(), _no_freqs())
+    _attention_combine[(cdiv(K, COMBINE_THREADS), H), COMBINE_THREADS, stream](out, part, sinks,
+                                                                              pos, freqs)
+
+
+def _no_pos():
+    if "no_pos" not in _SCRATCH:
+        _SCRATCH["no_pos"] = cuda.to_device(np.zeros(1, np.int32))
+        _SCRATCH["no_freqs"] = cuda.device_array(0, np.float64)
+    return _SCRATCH["no_pos"]
+
+
+def _no_freqs():
+    _no_pos()
+    return _SCRATCH["no_freqs"]
 
 
 def attention_chunk(out, q, keys_packed, mask, sinks, scale: float, stream=0,
@@ -566,7 +617,8 @@ PTX_SIGNATURES = [
     (_split_kernel(512, 64, 256)[0], f"void({_PART}, float32[:, ::1], uint32[:, ::1], "
                                      "int32[::1], uint32[:, ::1], int32[::1], int32[::1], int32, "
                                      "float32)"),  # V4-Flash: K = 512, R = 64, 256 threads
-    (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1])"),
+    (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1], int32[::1], "
+                         "float64[::1])"),
 ]
 
 
@@ -590,7 +642,8 @@ def bench_cases(stream) -> list[BenchCase]:
     cases = []
     kernels = {"split": dict(mma=False), "mma 1 tile/split": dict(mma=True, tiles_per_split=1),
                "mma 2 tiles/split": dict(mma=True, tiles_per_split=2),
-               "mma 4 tiles/split": dict(mma=True, tiles_per_split=4)}
+               "mma 4 tiles/split": dict(mma=True, tiles_per_split=4),
+               **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (2, 4, 8)}}
     for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):
         hca = mode == "HCA"
         ncap = ncomp if hca else 262_144 // 16  # CSA: a 64K-entry pool, 512 rows picked from it

@@ -1,8 +1,11 @@
 """Fused dequantise + GEMV / GEMM for the low-bit GGUF types Q2_K, Q4_K, IQ2_XXS and MXFP4.
 
 out[T, N] = x[T, K] · W[N, K]ᵀ, or with ``ids`` int32 [T]: out[t] = W[ids[t]] · x[t] (the MoE's
-selected experts in one launch, spec §4.11). Letters: T tokens, N rows, K columns, E stacked
-experts, S = K / 256 super-blocks per row. Block layouts: quants.py and spec §7.4.
+selected experts in one launch, spec §4.11), where x may also be one row [1, K] that every id
+shares (decode's routed gate/up: no copies of x). ``gemv_swiglu`` takes the MoE's gate|up output
+instead of x and applies the SwiGLU on the way in (the down projection). Letters: T tokens,
+N rows, K columns, E stacked experts, S = K / 256 super-blocks per row. Block layouts:
+quants.py and spec §7.4.
 
 Device layout (``pack_<type>``, lowbit_layout.py, once at load): the GGUF blocks split into
 planes. Quants become uint64 words (a lane's 16 bytes of a row are two: one 16-byte load); scale
@@ -27,15 +30,18 @@ Kernels per type ``<t>`` (the launcher picks by T):
   reduction; scalar float dequant. The obviously-right baseline.
 - ``_gemv_<t>_dp4a_slots`` (decode, T <= DECODE_MAX_TOKENS, or any T with ids): a lane owns one
   16-byte "slot" of every row (64 or 32 columns). x[t] comes prepared by ``_x_slots_<t>`` (a
-  small launch before it, once for all blocks): int16 per slot split into a signed high and an
-  unsigned low byte plane, x ~ scale·(256·hi + lo), in slot order, with the sums per 16
-  columns. The block requests its first rows (16-byte ld.global.nc), then loads its slot's x
-  into registers. Rows stream past R_ROWS at a time, the next step's loads issued
-  before this step's math; codes become int8 in registers and meet x in ``dp4a`` (4 multiply-
-  adds per integer instruction: the float pipe is not the limit). IQ2_XXS takes its grid rows
-  (and their negations) and sign masks from shared memory, in copies that spread a half-warp's
-  lookups over the banks. Per-row sums: xor butterfly in the warp, then shared memory. The
-  grid is one wave (blocks resident at once, from the compiled kernel's occupancy).
+  small launch before it, once for all blocks; one row when the ids share x): int16 per slot
+  split into a signed high and an unsigned low byte plane, x ~ scale·(256·hi + lo), in slot
+  order, with the sums per 16 columns. ``_x_slots_swiglu_<t>`` prepares h = SwiGLU(gate, up)
+  instead, computed there with moe.swiglu's float32 formula (``swiglu_scalar``): the same
+  bits as a separate SwiGLU launch followed by ``_x_slots_<t>``. The block requests its first
+  rows (16-byte ld.global.nc), then loads its slot's x into registers. Rows stream past R_ROWS
+  at a time, the next step's loads issued before this step's math; codes become int8 in
+  registers and meet x in ``dp4a`` (4 multiply-adds per integer instruction: the float pipe is
+  not the limit). IQ2_XXS takes its grid rows (and their negations) and sign masks from shared
+  memory, in copies that spread a half-warp's lookups over the banks. Per-row sums: xor
+  butterfly in the warp, then shared memory. The grid is one wave (blocks resident at once,
+  from the compiled kernel's occupancy).
   Accuracy: x carries 15 bits per slot, |error| <= 1.6e-5 · max|x| over the slot (float32 x
   would give ~1e-7; the test bound is 1e-4); measured rel. error 2.1-2.4e-5 at V4 shapes.
 - ``_gemm_<t>_smem_tiles`` (prefill, larger T, no ids): a tile of rows is dequantised once into
@@ -51,12 +57,13 @@ on shared-memory lookups).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from .. import quants
+from .. import ops, quants
 from ..quants import GGMLType
 from . import device
 from .bench import BenchCase
@@ -73,7 +80,8 @@ from .qweight import QWeight
 
 __all__ = ["pack_q2_k", "pack_q4_k", "pack_iq2_xxs", "pack_mxfp4", "unpack_q2_k", "unpack_q4_k",
            "unpack_iq2_xxs", "unpack_mxfp4", "gemv_q2_k_ref", "gemv_q4_k_ref", "gemv_iq2_xxs_ref",
-           "gemv_mxfp4_ref", "gemv_q2_k", "gemv_q4_k", "gemv_iq2_xxs", "gemv_mxfp4"]
+           "gemv_mxfp4_ref", "gemv_q2_k", "gemv_q4_k", "gemv_iq2_xxs", "gemv_mxfp4",
+           "gemv_swiglu_ref", "gemv_swiglu", "fuses_swiglu", "shares_x_row", "swiglu_scalar"]
 
 DECODE_MAX_TOKENS = 6  # shared-weight GEMV up to this many tokens; the MoE's 6 experts use ids
 R_ROWS = 2  # rows a decode lane has in flight per step (x2 with the next step's prefetch)
@@ -114,6 +122,14 @@ def gemv_mxfp4_ref(out, w, x, ids=None):
     _gemv_ref(unpack_mxfp4, out, w, x, ids)
 
 
+def gemv_swiglu_ref(out, w, gate_up, weights, clamp, ids=None):
+    """out[T, N] = W[ids[t]] · h[t], h = weights[:, None] · ops.swiglu(gate, up, clamp) of
+    gate_up[T, 2F] = [gate | up]: the spec of gemv_swiglu (moe.swiglu_fused_ref, then the GEMV)."""
+    F = gate_up.shape[1] // 2
+    h = ops.swiglu(gate_up[:, :F], gate_up[:, F:], clamp) * np.asarray(weights)[:, None]
+    REFS[w.qtype](out, w, h, ids)
+
+
 # ---- lane-group exchange (the simulator has no shuffles: stage through shared memory) -----------
 if SIMULATOR:
     @cuda.jit(device=True)
@@ -149,10 +165,11 @@ def _block_per_row_kernel(elem):
         # grid (N, T): block (n, t) computes out[t, n]; a thread per element, strided.
         n, b = cuda.blockIdx.x, cuda.blockIdx.y
         e = ids[b] if b < ids.shape[0] else 0  # ids = [0] when there are none
+        bx = min(b, x.shape[0] - 1)  # x row: b's own, or the one row every id shares
         scratch = cuda.shared.array(1024, float32)
         acc = float32(0)
         for k in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-            acc += elem(planes, e, n, k) * x[b, k]
+            acc += elem(planes, e, n, k) * x[bx, k]
         s = block_sum(acc, scratch)
         if cuda.threadIdx.x == 0:
             out[b, n] = s
@@ -165,24 +182,36 @@ XCH_FLOATS = R_ROWS * 256 if SIMULATOR else 1  # simulator lane exchanges (threa
 PREP_THREADS = 128  # x preparation: threads per block
 
 
+@cuda.jit(device=True)
+def swiglu_scalar(g, u, w, clamp):
+    """w · silu(min(g, c)) · clamp(u, ±c) in float32 (c <= 0: no clamp). The one copy of the
+    formula: moe.swiglu's kernel and the fused down preparation both call it, so h has the same
+    bits whichever launch makes it."""
+    if clamp > 0:
+        g = min(g, clamp)
+        u = min(max(u, -clamp), clamp)
+    # silu(g) = g · sigmoid(g), sigmoid from e^-|g| <= 1: no overflow for any g
+    one = float32(1.0)
+    z = math.exp(-abs(g))
+    sig = one / (one + z) if g >= 0 else z / (one + z)
+    return w * (g * sig) * u
+
+
 def _x_slots_kernel(xcol, slot_cols):
+    """(prepare_x_slots, prepare_x_slots_swiglu) for a type's slot order: the decode kernel's x
+    from x itself, or from a gate|up GEMV output through the SwiGLU. One quantiser serves both."""
     xw = slot_cols // 4  # x words per slot (4 columns each)
 
-    def prepare_x_slots(xq, xsum, xs, x):
+    @cuda.jit(device=True)
+    def to_slots(xq, xsum, xs, b, i, K, v0, v1, v2, v3):
         # x[b] -> int16 q = round(x / s) per slot (|q| <= 32000, s = max|x| / 32000 over the
         # slot), one 4-column word per thread: high bytes (signed) | low bytes (unsigned) << 32
         # into xq[b], in slot order; x . w = s * (256 dp4a(w, high) + dp4a(w, low)). Also the
         # sums of q per 16 columns (the K-quants' mins) and s per slot. Rounding by adding
         # 1.5 * 2^23 (no float->int conversion instruction). The xw words of a slot sit in
-        # consecutive lanes, so slot maxima and 16-column sums are xor butterflies. Grid
-        # (K / 4 / threads, T): the GEMV's blocks all read this once-made copy.
-        t = cuda.threadIdx.x
-        i = cuda.blockIdx.x * cuda.blockDim.x + t
-        b = cuda.blockIdx.y
-        K = x.shape[1]
+        # consecutive lanes, so slot maxima and 16-column sums are xor butterflies (every
+        # thread takes part: lanes past K // 4 carry a copy of columns 0-3 and store nothing).
         xch = cuda.shared.array(XCH_FLOATS, float32)
-        c0 = xcol(i // xw, i % xw) if i < K // 4 else 0
-        v0, v1, v2, v3 = x[b, c0], x[b, c0 + 1], x[b, c0 + 2], x[b, c0 + 3]
         a = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
         off = xw >> 1
         while off > 0:
@@ -207,7 +236,31 @@ def _x_slots_kernel(xcol, slot_cols):
                 xsum[b, i // 4] = int32(qsum)
             if i % xw == 0:
                 xs[b, i // xw] = a / float32(32000)
-    return kernel(prepare_x_slots)
+
+    def prepare_x_slots(xq, xsum, xs, x):
+        # grid (K / 4 / threads, T): thread i quantises the 4 columns of x[b] that make word i
+        # of slot order; the GEMV's blocks all read this once-made copy.
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        K = x.shape[1]
+        c0 = xcol(i // xw, i % xw) if i < K // 4 else 0
+        to_slots(xq, xsum, xs, b, i, K, x[b, c0], x[b, c0 + 1], x[b, c0 + 2], x[b, c0 + 3])
+
+    def prepare_x_slots_swiglu(xq, xsum, xs, gate_up, w, clamp):
+        # as prepare_x_slots for x[b] = h[b] = swiglu_scalar(gate, up, w[b], clamp) of
+        # gate_up[b] = [gate | up] (F columns each), made here instead of in a SwiGLU launch:
+        # the same float32 h, without its launch and round trip through memory.
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        F = gate_up.shape[1] // 2
+        c0 = xcol(i // xw, i % xw) if i < F // 4 else 0
+        wb = w[b]
+        to_slots(xq, xsum, xs, b, i, F,
+                 swiglu_scalar(gate_up[b, c0], gate_up[b, F + c0], wb, clamp),
+                 swiglu_scalar(gate_up[b, c0 + 1], gate_up[b, F + c0 + 1], wb, clamp),
+                 swiglu_scalar(gate_up[b, c0 + 2], gate_up[b, F + c0 + 2], wb, clamp),
+                 swiglu_scalar(gate_up[b, c0 + 3], gate_up[b, F + c0 + 3], wb, clamp))
+    return kernel(prepare_x_slots), kernel(prepare_x_slots_swiglu)
 
 
 def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
@@ -218,11 +271,12 @@ def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
     def gemv_dp4a_slots(out, planes, xq, xsum, xs, ids, rows_per_block):
         # grid (row blocks, T); thread t = slot * rs + row lane: the rs lanes of a slot take rs
         # consecutive rows, the S slots of a row are spread over the block's warps. x[b] comes
-        # prepared (xq, xsum, xs: prepare_x_slots).
+        # prepared (xq, xsum, xs: prepare_x_slots), or x[0] when one row serves every id.
         t = cuda.threadIdx.x
         nt = cuda.blockDim.x
         b = cuda.blockIdx.y
         e = ids[b] if b < ids.shape[0] else 0
+        bx = min(b, xq.shape[0] - 1)
         N = out.shape[1]
         K = 4 * xq.shape[1]
         rs = nt // (K // slot_cols)
@@ -249,12 +303,12 @@ def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
         xl = cuda.local.array(xw, uint32)
         xsl = cuda.local.array(runs, int32)
         for k in range(xw):
-            v = xq[b, sl * xw + k]
+            v = xq[bx, sl * xw + k]
             xh[k] = uint32(v & uint64(0xFFFFFFFF))
             xl[k] = uint32(v >> uint64(32))
         for k in range(runs):
-            xsl[k] = xsum[b, sl * runs + k]
-        xsc = xs[b, sl]
+            xsl[k] = xsum[bx, sl * runs + k]
+        xsc = xs[bx, sl]
         if table_words > 1:  # IQ2_XXS: (g, -g) grid rows and sign masks
             grid_p = cuda.const.array_like(_GRID_U64)
             grid_n = cuda.const.array_like(_GRID_NEG_U64)
@@ -354,6 +408,7 @@ class _Spec(NamedTuple):
     decode: object
     gemm: object
     prep: object  # the decode kernel's x preparation
+    prep_swiglu: object  # ... with x = SwiGLU of a gate|up output (gemv_swiglu)
 
 
 # The decode kernels want several blocks per SM with up to 47 KB of static shared memory each;
@@ -365,11 +420,12 @@ def _spec(name, qtype, slot_cols, elem, xcol, dot, word, table_words=1) -> _Spec
     naive = _block_per_row_kernel(elem)
     decode = _dp4a_slots_kernel(dot, slot_cols, table_words, **_DECODE_JIT)
     gemm = _smem_tiles_kernel(word)
-    prep = _x_slots_kernel(xcol, slot_cols)
+    prep, prep_swiglu = _x_slots_kernel(xcol, slot_cols)
     for k, kname in ((naive, f"_gemv_{name}_block_per_row"), (decode, f"_gemv_{name}_dp4a_slots"),
-                     (gemm, f"_gemm_{name}_smem_tiles"), (prep, f"_x_slots_{name}")):
+                     (gemm, f"_gemm_{name}_smem_tiles"), (prep, f"_x_slots_{name}"),
+                     (prep_swiglu, f"_x_slots_swiglu_{name}")):
         k.__name__ = kname
-    return _Spec(name, qtype, slot_cols, naive, decode, gemm, prep)
+    return _Spec(name, qtype, slot_cols, naive, decode, gemm, prep, prep_swiglu)
 
 
 _Q2_K = _spec("q2_k", GGMLType.Q2_K, 64, _q2_k_elem, _q2_k_xcol, _q2_k_dot, _q2_k_word)
@@ -380,12 +436,14 @@ _MXFP4 = _spec("mxfp4", GGMLType.MXFP4, 32, _mxfp4_elem, _mxfp4_xcol, _mxfp4_dot
 SPECS = {s.qtype: s for s in (_Q2_K, _Q4_K, _IQ2_XXS, _MXFP4)}
 
 # Named per kernel for readers and profilers (the factories above build one of each per type).
-_gemv_q2_k_block_per_row, _gemv_q2_k_dp4a_slots, _gemm_q2_k_smem_tiles, _x_slots_q2_k = _Q2_K[3:]
-_gemv_q4_k_block_per_row, _gemv_q4_k_dp4a_slots, _gemm_q4_k_smem_tiles, _x_slots_q4_k = _Q4_K[3:]
+(_gemv_q2_k_block_per_row, _gemv_q2_k_dp4a_slots, _gemm_q2_k_smem_tiles, _x_slots_q2_k,
+ _x_slots_swiglu_q2_k) = _Q2_K[3:]
+(_gemv_q4_k_block_per_row, _gemv_q4_k_dp4a_slots, _gemm_q4_k_smem_tiles, _x_slots_q4_k,
+ _x_slots_swiglu_q4_k) = _Q4_K[3:]
 (_gemv_iq2_xxs_block_per_row, _gemv_iq2_xxs_dp4a_slots, _gemm_iq2_xxs_smem_tiles,
- _x_slots_iq2_xxs) = _IQ2_XXS[3:]
+ _x_slots_iq2_xxs, _x_slots_swiglu_iq2_xxs) = _IQ2_XXS[3:]
 (_gemv_mxfp4_block_per_row, _gemv_mxfp4_dp4a_slots, _gemm_mxfp4_smem_tiles,
- _x_slots_mxfp4) = _MXFP4[3:]
+ _x_slots_mxfp4, _x_slots_swiglu_mxfp4) = _MXFP4[3:]
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -447,11 +505,33 @@ def decode_config(spec: _Spec, T: int, N: int, K: int, nt: int, resident: int):
     return rows_per_block, (cdiv(N, rows_per_block), T)
 
 
+def _x_slots(spec: _Spec, prep, T: int, K: int, stream, *src):
+    """(xq, xsum, xs): T rows of K columns in the decode kernel's slots, made by ``prep`` from
+    ``src`` in one small launch, into buffers of the stream's own (the GEMV after it reads
+    them on the same stream)."""
+    xq = stream_buffer(f"{spec.name} x slots", stream, (T, K // 4), np.uint64)
+    xsum = stream_buffer(f"{spec.name} x sums", stream, (T, K // 16), np.int32)
+    xs = stream_buffer(f"{spec.name} x scales", stream, (T, K // spec.slot_cols), np.float32)
+    prep[(cdiv(K // 4, PREP_THREADS), T), PREP_THREADS, stream](xq, xsum, xs, *src)
+    return xq, xsum, xs
+
+
+def _decode(spec: _Spec, out, w: QWeight, slots, ids_arr, nt: int, stream) -> None:
+    """The dp4a GEMV on prepared x (``_x_slots``): one row per output row, or one for all."""
+    T, N = out.shape
+    K = 4 * slots[0].shape[1]
+    args = (out, w.planes, *slots, ids_arr, 0)
+    rows_per_block, grid = decode_config(spec, T, N, K, nt, _resident_blocks(spec, nt, args))
+    spec.decode[grid, nt, stream](*args[:-1], rows_per_block)
+
+
 def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | None = None):
-    """Run one of the type's kernels: ``how`` = 'naive' | 'decode' | 'gemm' | None (pick)."""
+    """Run one of the type's kernels: ``how`` = 'naive' | 'decode' | 'gemm' | None (pick).
+    With ``ids`` x may be one row [1, K] that every id shares (no per-id copies of x)."""
     T, N = out.shape
     K = x.shape[1]
     assert w.qtype == spec.qtype and (w.rows, w.cols) == (N, K), (w, out.shape, x.shape)
+    assert x.shape[0] == T or (ids is not None and x.shape[0] == 1), (out.shape, x.shape)
     ids_arr = _no_ids() if ids is None else ids
     nt = decode_threads(spec, K, threads)
     if how is None:
@@ -463,14 +543,9 @@ def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | No
     if how == "naive":
         nt = min(_pow2_floor(threads or 128), 1024)
         spec.naive[(N, T), nt, stream](out, w.planes, x, ids_arr)
-    elif how == "decode":  # x prepared once (a small launch), then the GEMV
-        xq = stream_buffer(f"{spec.name} x slots", stream, (T, K // 4), np.uint64)
-        xsum = stream_buffer(f"{spec.name} x sums", stream, (T, K // 16), np.int32)
-        xs = stream_buffer(f"{spec.name} x scales", stream, (T, K // spec.slot_cols), np.float32)
-        spec.prep[(cdiv(K // 4, PREP_THREADS), T), PREP_THREADS, stream](xq, xsum, xs, x)
-        args = (out, w.planes, xq, xsum, xs, ids_arr, 0)
-        rows_per_block, grid = decode_config(spec, T, N, K, nt, _resident_blocks(spec, nt, args))
-        spec.decode[grid, nt, stream](*args[:-1], rows_per_block)
+    elif how == "decode":  # x prepared once (a small launch, one row if shared), then the GEMV
+        slots = _x_slots(spec, spec.prep, x.shape[0], K, stream, x)
+        _decode(spec, out, w, slots, ids_arr, nt, stream)
     else:
         assert ids is None, "the GEMM kernel runs one weight for all tokens"
         nt = min(_pow2_floor(threads or 256), 256)
@@ -481,7 +556,8 @@ def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | No
 
 
 def gemv_q2_k(out, w, x, ids=None, stream=0, threads=None):
-    """out[T, N] = W · x[t] (or W[ids[t]] · x[t]) for a packed Q2_K weight on the GPU."""
+    """out[T, N] = W · x[t] (or W[ids[t]] · x[t]) for a packed Q2_K weight on the GPU. With
+    ids, x may be [1, K]: one row shared by every id (the MoE's routed gate/up at decode)."""
     _launch(_Q2_K, out, w, x, ids, stream, threads)
 
 
@@ -500,6 +576,36 @@ def gemv_mxfp4(out, w, x, ids=None, stream=0, threads=None):
     _launch(_MXFP4, out, w, x, ids, stream, threads)
 
 
+def shares_x_row(w: QWeight) -> bool:
+    """Whether the ids-GEMV of ``w`` takes one x row [1, K] for all ids: the low-bit types do
+    (this module's launchers); gemv.py's F32/F16/BF16/Q8_0 want a row per id."""
+    return w.qtype in SPECS
+
+
+def fuses_swiglu(w: QWeight, threads=None) -> bool:
+    """Whether gemv_swiglu takes ``w``: a low-bit type whose rows fit the dp4a decode kernel
+    (the fused preparation feeds only that kernel), float-x diagnostics off."""
+    spec = SPECS.get(w.qtype)
+    return spec is not None and not _FLOAT_X and decode_threads(spec, w.cols, threads) is not None
+
+
+def gemv_swiglu(out, w, gate_up, weights, clamp: float, ids=None, stream=0,
+                threads=None) -> None:
+    """out[T, N] = W[ids[t]] · h[t] (or W · h[t]), h[t] = weights[t] · silu(min(gate, c)) ⊙
+    clamp(up, ±c) of gate_up[T, 2F] = [gate | up] (c <= 0: no clamp): the MoE down projection
+    straight from the fused gate+up output. h is made in the x preparation with moe.swiglu's
+    float32 formula (``swiglu_scalar``), so the result equals moe.swiglu_fused then the GEMV,
+    bit for bit, one launch fewer. ``fuses_swiglu(w)`` must hold; T: decode sizes."""
+    spec = SPECS[w.qtype]
+    T, N = out.shape
+    F = gate_up.shape[1] // 2
+    assert fuses_swiglu(w, threads) and (w.rows, w.cols) == (N, F), (w, out.shape)
+    assert gate_up.shape == (T, 2 * F) and weights.shape[0] == T, (gate_up.shape, weights.shape)
+    slots = _x_slots(spec, spec.prep_swiglu, T, F, stream, gate_up, weights, float32(clamp))
+    _decode(spec, out, w, slots, _no_ids() if ids is None else ids,
+            decode_threads(spec, F, threads), stream)
+
+
 # ---- compile check and benchmarks ------------------------------------------------------------
 _PLANE_SIGS = {
     "q2_k": "uint64[:, :, ::1], uint32[:, :, ::1], float16[:, :, ::1]",
@@ -508,13 +614,15 @@ _PLANE_SIGS = {
     "mxfp4": "uint64[:, :, ::1], uint8[:, :, ::1]",
 }
 _OUT_X = "float32[:, ::1], Tuple(({})), float32[:, ::1]"
+_SLOTS = "uint64[:, ::1], int32[:, ::1], float32[:, ::1]"  # xq, xsum, xs
 PTX_SIGNATURES = [
     sig for s in SPECS.values() for sig in (
         (s.naive, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int32[::1])"),
         (s.decode, f"void(float32[:, ::1], Tuple(({_PLANE_SIGS[s.name]})), uint64[:, ::1], "
                    "int32[:, ::1], float32[:, ::1], int32[::1], int64)"),
         (s.gemm, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int64)"),
-        (s.prep, "void(uint64[:, ::1], int32[:, ::1], float32[:, ::1], float32[:, ::1])"))]
+        (s.prep, f"void({_SLOTS}, float32[:, ::1])"),
+        (s.prep_swiglu, f"void({_SLOTS}, float32[:, ::1], float32[::1], float32)"))]
 
 PACKERS = {GGMLType.Q2_K: pack_q2_k, GGMLType.Q4_K: pack_q4_k, GGMLType.IQ2_XXS: pack_iq2_xxs,
            GGMLType.MXFP4: pack_mxfp4}

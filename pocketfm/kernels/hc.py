@@ -16,7 +16,8 @@ guarantees by widening the blocks (and falls back to the naive kernel for tiny D
 
 The decode engine passes a side stream instead (``side``): the partials then go to a
 workspace, ``_hc_pre_finish_u`` makes u on the main stream and ``_hc_pre_finish_post`` post
-and the Sinkhorn comb beside it, off the path to the sublayer (hc_post is their only reader).
+and the Sinkhorn comb beside it, off the path to the sublayer (hc_post is their only reader);
+with ``norm=`` the u block also writes the sublayer's input RMSNorm (one launch fewer).
 
 A prefill chunk passes a ``mix`` workspace instead: the mix is then one GEMM over the chunk's
 tokens (gemv.py picks the kernel; on a GPU the tensor cores), which reads fn once, not once per
@@ -37,7 +38,7 @@ from . import device
 from .bench import BenchCase
 from .device import block_sum, cdiv, warp_sum
 from .gemv import gemv
-from .norm_rope import Dense
+from .norm_rope import Dense, norm_row, rmsnorm
 from .qweight import QWeight
 
 MAX_THREADS = 1024
@@ -369,10 +370,13 @@ def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, 
 
 
 @device.kernel
-def _hc_pre_finish_u(out_u, X, part, base, scale, rms_eps, hc_eps, splits):
+def _hc_pre_finish_u(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_norm, norm_w):
     """One block per token: gather the partials (part, not parked in out_u), then only the pre
-    weights and u = sum_i pre_i X_i; post and comb come from _hc_pre_finish_post."""
+    weights and u = sum_i pre_i X_i; post and comb come from _hc_pre_finish_post. With a norm
+    weight (norm_w not empty) the block also writes out_norm[t] = rmsnorm(u) * norm_w, the
+    sublayer's input norm: one launch less on the decode's critical path."""
     scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    wsum = cuda.shared.array(32, np.float32)
     mv = cuda.shared.array(MAX_ROWS1, np.float32)
     pre = cuda.shared.array(MAX_HC, np.float32)
     t = cuda.blockIdx.x
@@ -380,6 +384,9 @@ def _hc_pre_finish_u(out_u, X, part, base, scale, rms_eps, hc_eps, splits):
     _gather_partials(mv, part, t, (2 + hc) * hc + 1, splits, scratch)
     _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps)
     _collapse_pre(out_u, X, pre, t)
+    if norm_w.shape[0] > 0:
+        cuda.syncthreads()  # the block's writes of out_u[t] are visible to all its threads
+        norm_row(out_norm, out_u, norm_w, t, rms_eps, True, scratch, wsum)
 
 
 @device.kernel
@@ -489,7 +496,7 @@ def _mix(dest, X, fn, rows, stream, threads):
 
 
 def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
-           threads=None, naive=False, mix=None, side=None) -> None:
+           threads=None, naive=False, mix=None, side=None, norm=None) -> None:
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
@@ -500,7 +507,10 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     ``side`` (a device.SideStream; decode): post and comb, the Sinkhorn's serial chain of
     2·iters normalisations, are made on the side stream while ``stream`` goes on with u and
     the sublayer (they are only read by hc_post after it): the caller joins the side stream
-    before hc_post, and before the next hc_pre (its mix rewrites the partials)."""
+    before hc_post, and before the next hc_pre (its mix rewrites the partials).
+
+    ``norm`` (out_norm [T, D], w [D]): also out_norm = rmsnorm(u) * w at eps rms_eps (the
+    sublayer's input norm); with ``side`` in the same launch as u, else a launch after."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
@@ -511,6 +521,8 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         gemv(mix, QWeight(GGMLType.F32, M, C, 1, (fn.reshape(1, M, C),)), X.reshape(T, C),
              None, stream, threads)
         _hc_pre_finish_mix[T, nf, stream](out_u, out_post, out_comb, X, mix, base, scale, *eps)
+        if norm is not None:
+            rmsnorm(norm[0], out_u, norm[1], rms_eps, True, stream, threads)
         return
     plan = None if naive else _split_plan(D, hc, M)
     if side is not None and plan is not None:
@@ -519,14 +531,28 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         splits = _mix(part, X, fn, M, stream, threads)
         _hc_pre_finish_post[T, 128, side.fork(stream)](out_post, out_comb, X, part, base, scale,
                                                        *eps, splits)
-        _hc_pre_finish_u[T, nf, stream](out_u, X, part, base, scale, *eps[:2], splits)
+        out_norm, norm_w = norm or (out_u, _no_weight())
+        _hc_pre_finish_u[T, nf, stream](out_u, X, part, base, scale, *eps[:2], splits, out_norm,
+                                        norm_w)
         return
     splits = None if naive else _mix(out_u, X, fn, M, stream, threads)
     if splits is None:
         _hc_pre_naive[cdiv(T, 32), 32, stream](out_u, out_post, out_comb, X, fn, base, scale,
                                                *eps)
-        return
-    _hc_pre_finish[T, nf, stream](out_u, out_post, out_comb, X, base, scale, *eps, splits)
+    else:
+        _hc_pre_finish[T, nf, stream](out_u, out_post, out_comb, X, base, scale, *eps, splits)
+    if norm is not None:
+        rmsnorm(norm[0], out_u, norm[1], rms_eps, True, stream, threads, naive=naive)
+
+
+def _no_weight():
+    """An empty float32 device array: 'no norm' for _hc_pre_finish_u (made once)."""
+    if "no_weight" not in _STATE:
+        _STATE["no_weight"] = cuda.device_array(0, np.float32)
+    return _STATE["no_weight"]
+
+
+_STATE: dict = {}
 
 
 def hc_head(out_u, X, fn, base, scale, rms_eps, hc_eps, stream=0, threads=None,
@@ -569,7 +595,8 @@ PTX_SIGNATURES = [
      f"void({_PRE_OUT}, {_F3}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_pre_finish_mix,
      f"void({_PRE_OUT}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64)"),
-    (_hc_pre_finish_u, f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64)"),
+    (_hc_pre_finish_u,
+     f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_hc_pre_finish_post,
      f"void({_F2}, {_F3}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_head_finish, f"void({_F2}, {_F3}, {_F1}, {_F1}, float32, float32, int64)"),
@@ -604,7 +631,7 @@ def bench_cases(stream):
     def u_path():  # what stays on the engine's main stream: the mix, then u
         splits = _mix(part, X, fn, M, stream, None)
         _hc_pre_finish_u[T, nf, stream](u, X, part, base, scale, np.float32(1e-6),
-                                        np.float32(1e-6), splits)
+                                        np.float32(1e-6), splits, u, _no_weight())
     cases = [BenchCase("hc", "hc_pre T=1 side stream (post + Sinkhorn beside u), joined",
                        pre_side, bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T),
              BenchCase("hc", "hc_pre T=1 main-stream part only (mix + u)", u_path,

@@ -547,12 +547,13 @@ _WORKSPACE = []
 
 
 def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool = False,
-         work=None) -> None:
+         work=None, blocks=None) -> None:
     """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
 
     Order within the selection is arbitrary; ties at the k-th value go to the lowest index;
     with n_visible <= k the result is 0 .. n_visible-1 padded with -1. ``work`` is a
     ``topk_workspace()``; by default one module-wide buffer (calls on one stream only).
+    ``blocks``: the grid (benchmarks; default one block per ~4 entries a thread, <= SMs).
     """
     if out_idx.shape[0] != k:
         raise ValueError(f"topk: out_idx has {out_idx.shape[0]} slots, k = {k}")
@@ -567,7 +568,9 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
         work = _WORKSPACE[0]
     nt = min(threads or TOPK_THREADS, 1024)
     # at most one block per SM, so all are resident for the grid barriers; ~4 entries a thread
-    blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
+    if blocks is None:
+        blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
+    assert 1 <= blocks <= max(1, device.sm_count()), "topk: every block must be resident"
     _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work)
 
 
@@ -735,6 +738,11 @@ def bench_cases(stream) -> list[BenchCase]:
                                nbytes + scores.nbytes + idx.nbytes,
                                flops=2 * N * HI * (DI + 1),
                                target="<= 150 us" if N == 262_144 else ""))
+        for blocks in (None, 1, 4, 16):  # the top-k alone, by grid (the scores of the case above)
+            def select(scores=scores, nv=nv, idx=idx, work=work, blocks=blocks):
+                topk(idx, scores, nv, k, stream=stream, work=work, blocks=blocks)
+            cases.append(BenchCase("indexer", f"topk N={N} k={k} blocks={blocks or 'auto'}",
+                                   select, scores.nbytes + idx.nbytes, flops=0))
     T, N = 256, 65_536  # prefill: a chunk's tokens each over (nearly) every key
     keys = cuda.to_device(random_packed_keys(rng, N, DI), stream=stream)
     q = cuda.to_device(q_fp4(T, HI, DI), stream=stream)

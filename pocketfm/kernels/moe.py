@@ -5,8 +5,7 @@ Decode runs the sublayer as a fixed sequence of launches over buffers allocated 
 
     router gemv  logits[1, E]     = W_gate_inp[E, D] · x               (F16 in ds4 files)
     route        ids[k], w[k]     = top-k of sqrt(softplus(logits)) + bias, or tid2eid[token]
-    broadcast    x_rep[k, D]      = x in every row (the ids-GEMV takes one input row per id)
-    gate/up      gu[j]            = W_gate_up[ids[j]] · x_rep[j], j < k; gu[k] = shared · x
+    gate/up      gu[j]            = W_gate_up[ids[j]] · x, j < k; gu[k] = shared · x
     swiglu       h[k+1, F]        = w_ext[j] · silu(min(gate, c)) ⊙ clamp(up, ±c); w_ext[k] = 1
     down         down[k+1, D]     = W_down[ids[j]] · h[j]; down[k] = W_shexp_down · h[k]
     combine      out[D]           = Σ_{j<k} down[j] + down[k]
@@ -15,6 +14,19 @@ gate and up are best stacked into one weight per expert at load (``fuse_gate_up`
 launch then yields both. The shared expert's row sits behind the routed ones in the same
 buffers, so one SwiGLU launch serves both when their clamps agree (V4: both 10) and combine
 reads one array. The GEMVs live in gemv.py / gemv_lowbit.py; this module only orders them.
+
+Fewer launches where the types allow (each saves a launch and, in a graph, a dependent gap):
+- the low-bit ids-GEMV reads the one row x for every id; gemv.py's types take a row per id,
+  so for them a ``broadcast`` launch first copies x into x_rep[k, D];
+- fused gate/up with a low-bit W_down: the SwiGLU is no launch of its own; the down GEMV's x
+  preparation computes h (``gemv_swiglu``, the same float32 bits). Not when the shared expert
+  runs in line and shares the routed SwiGLU launch.
+V4-Flash in the engine (IQ2_XXS gate/up + Q2_K down routed, Q8_0 shared on a side stream;
+a low-bit GEMV is two launches: its x preparation, then the dp4a kernel)::
+
+    main: router gemv -> route -> x slots (IQ2_XXS) -> gate/up -> SwiGLU x slots (Q2_K) -> down
+          -> join -> combine
+    side: shared gate/up -> swiglu -> shared down
 
 Step-dependent inputs are device arrays (``token[1]`` int32, the chosen ``ids``): nothing the
 host decides per step reaches a kernel argument. Layer constants (``use_hash``, clamps, the
@@ -34,6 +46,7 @@ from . import device
 from .bench import BenchCase
 from .device import capture_graph, cdiv
 from .gemv import gemv, gemv_ref
+from .gemv_lowbit import fuses_swiglu, gemv_swiglu, shares_x_row, swiglu_scalar
 from .qweight import QWeight
 
 MAX_E = 512  # experts a route block can hold in shared memory (V4: 256)
@@ -295,19 +308,11 @@ def _swiglu_elementwise(out_h, gate, up, w, clamp, up_col):
     read from column ``up_col`` on: 0 for its own array, F when gate and up share one [k, 2F]
     output of a fused gate+up GEMV."""
     k, F = out_h.shape
-    one = float32(1.0)
     for i in range(cuda.grid(1), k * F, cuda.gridsize(1)):
         r = i // F
         c = i - r * F
-        g = gate[r, c]
-        u = up[r, up_col + c]
-        if clamp > 0:
-            g = min(g, clamp)
-            u = min(max(u, -clamp), clamp)
-        # silu(g) = g · sigmoid(g), sigmoid from e^-|g| <= 1: no overflow for any g
-        z = math.exp(-abs(g))
-        sig = one / (one + z) if g >= 0 else z / (one + z)
-        out_h[r, c] = w[r] * (g * sig) * u
+        # the formula lives in gemv_lowbit, whose fused down preparation must match it bitwise
+        out_h[r, c] = swiglu_scalar(gate[r, c], up[r, up_col + c], w[r], clamp)
 
 
 def _swiglu_launch(out_h, gate, up, w, clamp, up_col, stream, threads):
@@ -408,10 +413,10 @@ class MoEScratch:
         self.ids = buf(1, k, dtype=np.int32)  # [1, k] chosen experts
         # [k + 1] routing weights, then 1.0 for the shared expert
         self.w_ext = cuda.to_device(np.ones(k + 1, f32), stream=stream)
-        self.x_rep = buf(k, D)  # [k, D] x in every row
+        self.x_rep = buf(k, D)  # [k, D] x in every row (for routed experts not low-bit)
         self.gate, self.up = buf(k + 1, F), buf(k + 1, F)  # [k + 1, F] each
         self.gate_up = buf(k + 1, 2 * F)  # [k + 1, 2F] when gate and up are fused
-        self.h = buf(k + 1, F)  # [k + 1, F] SwiGLU output
+        self.h = buf(k + 1, F)  # [k + 1, F] SwiGLU output (not written where gemv_swiglu fuses it)
         self.down = buf(k + 1, D)  # [k + 1, D]
         self.zero = cuda.to_device(np.zeros((1, D), f32), stream=stream)  # no shared expert
         self.ids_k = self.ids.reshape(k)  # [k] as the ids-GEMV takes them
@@ -432,6 +437,17 @@ class MoEScratch:
         return sum(int(getattr(self, n).nbytes) for n in owned)
 
 
+def _swiglu_down(rows, w_down, g, u, col, weights, clamp, ids, stream, threads) -> None:
+    """rows["down"] = W_down[ids] · h, h = weights · SwiGLU(rows[g], rows[u]): h made inside the
+    down GEMV's x preparation (gemv_swiglu, one launch fewer, rows["h"] left unwritten) when
+    gate and up are fused and W_down is low-bit, else the SwiGLU launch into rows["h"] first."""
+    if g == u and fuses_swiglu(w_down, threads):
+        gemv_swiglu(rows["down"], w_down, rows[g], weights, clamp, ids, stream, threads)
+    else:
+        _swiglu_launch(rows["h"], rows[g], rows[u], weights, clamp, col, stream, threads)
+        gemv(rows["down"], w_down, rows["h"], ids, stream, threads)
+
+
 def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, up_exps,
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
@@ -444,7 +460,8 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     [E × D, F]; shared_gate / shared_up / shared_down likewise [F, D] / [D, F] (fused when the
     routed ones are), or all None: no shared expert. ``clamp`` / ``clamp_shared``: SwiGLU
     clamps (<= 0: none). ``side``: a device.SideStream; the shared expert then runs on it,
-    beside the routed chain. Launches only, into ``scratch``: graph-capturable.
+    beside the routed chain. Launches only, into ``scratch``: graph-capturable. Which launches
+    depends on the weight types (module docstring); the fusions change no bit of the result.
     """
     sc, F = scratch, scratch.F
     fused, has_shared = up_exps is None, shared_gate is not None
@@ -462,25 +479,27 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
             gemv(S["gate"], shared_gate, x, None, ss, threads)
             gemv(S["up"], shared_up, x, None, ss, threads)
         if not one_swiglu:
-            _swiglu_launch(S["h"], S[g], S[u], sc.w_one, clamp_shared, col, ss, threads)
-            gemv(S["down"], shared_down, S["h"], None, ss, threads)
+            _swiglu_down(S, shared_down, g, u, col, sc.w_one, clamp_shared, None, ss, threads)
     gemv(sc.logits, gate_inp, x, None, stream, threads)
     route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash, routed_scale,
                 normalise, stream, threads)
-    broadcast_rows(sc.x_rep, x, stream, threads)
+    # the low-bit ids-GEMVs read the one row x for every id; gemv.py's types want k copies
+    one_x = all(shares_x_row(w) for w in (gate_exps, up_exps) if w is not None)
+    if not one_x:
+        broadcast_rows(sc.x_rep, x, stream, threads)
+    x_ids = x if one_x else sc.x_rep
     if fused:
-        gemv(R["gate_up"], gate_exps, sc.x_rep, sc.ids_k, stream, threads)
+        gemv(R["gate_up"], gate_exps, x_ids, sc.ids_k, stream, threads)
     else:
-        gemv(R["gate"], gate_exps, sc.x_rep, sc.ids_k, stream, threads)
-        gemv(R["up"], up_exps, sc.x_rep, sc.ids_k, stream, threads)
+        gemv(R["gate"], gate_exps, x_ids, sc.ids_k, stream, threads)
+        gemv(R["up"], up_exps, x_ids, sc.ids_k, stream, threads)
     if one_swiglu:
         _swiglu_launch(sc.h, getattr(sc, g), getattr(sc, u), sc.w_ext, clamp, col, stream,
                        threads)
-    else:
-        _swiglu_launch(R["h"], R[g], R[u], sc.w_k, clamp, col, stream, threads)
-    gemv(R["down"], down_exps, R["h"], sc.ids_k, stream, threads)
-    if one_swiglu:
+        gemv(R["down"], down_exps, R["h"], sc.ids_k, stream, threads)
         gemv(S["down"], shared_down, S["h"], None, stream, threads)
+    else:
+        _swiglu_down(R, down_exps, g, u, col, sc.w_k, clamp, sc.ids_k, stream, threads)
     if has_shared and side is not None:
         side.join(stream)
     combine_chunk(out, sc.down_r3, S["down"] if has_shared else sc.zero, stream, threads)

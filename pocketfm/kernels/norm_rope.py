@@ -10,6 +10,8 @@ view q[T, H, K] as [T*H, K]), n row length, T tokens, H heads, P = len(freqs) ro
   The angle is formed in float64 inside the kernel: positions reach 1M and a float32 angle
   pos * omega would be off by up to ~0.06 rad there. In place is allowed (``out is x``).
   Also used with H = 1 (kv [T, 1, K]) and for compressed entries at positions r * j.
+- ``rmsnorm_rope``: both, one launch (the decode's q heads and kv row). ``norm_row`` is the
+  norm of one row as a device function: hc.py's u block calls it too.
 
 Both ops have a naive kernel (one thread per row, all serial) kept as the readable baseline
 and a fast one: one block per row for the norm; a per-token cos/sin table in shared memory for
@@ -65,33 +67,44 @@ def _rmsnorm_naive(out, x, w, eps, use_weight):
         out[r, i] = v * w[i] if use_weight else v
 
 
-@device.kernel
-def _rmsnorm_block_rows(out, x, w, eps, use_weight):
-    """One block per row (grid-stride over rows): coalesced loads, UNROLL in flight per thread
-    (a single row is latency-bound), one block sum."""
-    scratch = cuda.shared.array(MAX_THREADS, np.float32)
-    wsum = cuda.shared.array(32, np.float32)
+@cuda.jit(device=True)
+def norm_row(out, x, w, r, eps, use_weight, scratch, wsum):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) (* w): one block, every thread calls it.
+    Coalesced loads, UNROLL in flight per thread (a single row is latency-bound), one block
+    sum; every read of row r happens before the sum's barrier, so out may be x."""
     vals = cuda.local.array(UNROLL, np.float32)
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     n = x.shape[1]
+    ss = np.float32(0.0)
+    for i0 in range(t, n, nt * UNROLL):
+        for k in range(UNROLL):
+            vals[k] = x[r, min(i0 + k * nt, n - 1)]
+        for k in range(UNROLL):
+            if i0 + k * nt < n:
+                ss += vals[k] * vals[k]
+    tot = block_sum_warps(ss, scratch, wsum)
+    inv = np.float32(1.0 / math.sqrt(tot / n + eps))
+    for i0 in range(t, n, nt * UNROLL):
+        for k in range(UNROLL):
+            i = min(i0 + k * nt, n - 1)
+            vals[k] = x[r, i] * inv * (w[i] if use_weight else np.float32(1.0))
+        for k in range(UNROLL):
+            if i0 + k * nt < n:
+                out[r, i0 + k * nt] = vals[k]
+
+
+@device.kernel
+def _rmsnorm_block_rows(out, x, w, eps, use_weight):
+    """One block per row (grid-stride over rows): ``norm_row``."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    wsum = cuda.shared.array(32, np.float32)
     for r in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
-        ss = np.float32(0.0)
-        for i0 in range(t, n, nt * UNROLL):
-            for k in range(UNROLL):
-                vals[k] = x[r, min(i0 + k * nt, n - 1)]
-            for k in range(UNROLL):
-                if i0 + k * nt < n:
-                    ss += vals[k] * vals[k]
-        tot = block_sum_warps(ss, scratch, wsum)
-        # every read of row r happened before the block sum's barrier: in place is safe
-        inv = np.float32(1.0 / math.sqrt(tot / n + eps))
-        for i0 in range(t, n, nt * UNROLL):
-            for k in range(UNROLL):
-                i = min(i0 + k * nt, n - 1)
-                vals[k] = x[r, i] * inv * (w[i] if use_weight else np.float32(1.0))
-            for k in range(UNROLL):
-                if i0 + k * nt < n:
-                    out[r, i0 + k * nt] = vals[k]
+        norm_row(out, x, w, r, eps, use_weight, scratch, wsum)
+
+
+def norm_threads(n: int) -> int:
+    """Block size of ``norm_row`` over rows of n: UNROLL elements a thread."""
+    return min(MAX_THREADS, max(32, 32 * cdiv(n // UNROLL, 32)))
 
 
 def rmsnorm(out, x, w, eps: float, use_weight: bool, stream=0, threads=None,
@@ -103,7 +116,7 @@ def rmsnorm(out, x, w, eps: float, use_weight: bool, stream=0, threads=None,
         nt = threads or 128
         _rmsnorm_naive[cdiv(R, nt), nt, stream](out, x, w, eps, bool(use_weight))
         return
-    nt = threads or min(MAX_THREADS, max(32, 32 * cdiv(n // UNROLL, 32)))
+    nt = threads or norm_threads(n)
     assert nt % 32 == 0 and nt <= MAX_THREADS
     _rmsnorm_block_rows[min(R, 65535), nt, stream](out, x, w, eps, bool(use_weight))
 
@@ -185,6 +198,60 @@ def rope(out, x, pos, freqs, inverse: bool, stream=0, threads=None, naive: bool 
                                                       out is not x, hb)
 
 
+# ---- both, one launch (decode: the q heads, the kv row) ------------------------------------------
+def rmsnorm_rope_ref(out, x, w, eps: float, use_weight: bool, pos, freqs) -> None:
+    """out[T, H, n] = rope(rmsnorm(x) per (token, head) row) at pos[T], forward."""
+    T, H, n = x.shape
+    normed = np.empty((T * H, n), np.float32)
+    rmsnorm_ref(normed, x.reshape(T * H, n), w, eps, use_weight)
+    rope_ref(out, normed.reshape(T, H, n), pos, freqs, False)
+
+
+@device.kernel
+def _rmsnorm_rope_rows(out, x, w, eps, use_weight, pos, freqs, heads):
+    """Block per row r = t * heads + h of out/x [T * heads, n]: ``norm_row``, then the row's
+    last 2P dims rotated at pos[t] (the cos/sin table as _rope_shared_table makes it), so the
+    result is bit for bit the two launches' (rmsnorm, then rope in place)."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    wsum = cuda.shared.array(32, np.float32)
+    cs = cuda.shared.array(MAX_PAIRS, np.float32)
+    sn = cuda.shared.array(MAX_PAIRS, np.float32)
+    r = cuda.blockIdx.x
+    P, n = freqs.shape[0], x.shape[1]
+    nope = n - 2 * P
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    for k in range(tid, P, nt):  # (visible after norm_row's barriers)
+        ang = float(pos[r // heads]) * freqs[k]
+        cs[k] = math.cos(ang)
+        sn[k] = math.sin(ang)
+    norm_row(out, x, w, r, eps, use_weight, scratch, wsum)
+    cuda.syncthreads()  # the block's writes of out[r] are visible to all its threads
+    for k in range(tid, P, nt):
+        i = nope + 2 * k
+        x0, x1 = out[r, i], out[r, i + 1]
+        out[r, i] = x0 * cs[k] - x1 * sn[k]
+        out[r, i + 1] = x0 * sn[k] + x1 * cs[k]
+
+
+def rmsnorm_rope(out, x, w, eps: float, use_weight: bool, pos, freqs, stream=0, threads=None,
+                 naive: bool = False) -> None:
+    """Launcher: out/x [T, H, n] float32 (may be the same array), w [n] (a dummy when not
+    use_weight), pos [T] int32, freqs [P] float64: RMSNorm of every (token, head) row, then the
+    forward RoPE, in one launch (``naive``: the two naive kernels)."""
+    T, H, n = x.shape
+    P = freqs.shape[0]
+    assert 2 * P <= n and P <= MAX_PAIRS
+    if naive:
+        rmsnorm(out.reshape(T * H, n), x.reshape(T * H, n), w, eps, use_weight, stream, threads,
+                naive=True)
+        rope(out, out, pos, freqs, False, stream, threads, naive=True)
+        return
+    nt = threads or norm_threads(n)
+    assert nt % 32 == 0 and nt <= MAX_THREADS
+    _rmsnorm_rope_rows[T * H, nt, stream](out.reshape(T * H, n), x.reshape(T * H, n), w,
+                                          np.float32(eps), bool(use_weight), pos, freqs, H)
+
+
 # ---- CI lane B and the H200 benchmark -----------------------------------------------------------
 _RMS_SIG = "void(float32[:, ::1], float32[:, ::1], float32[::1], float32, boolean)"
 _ROPE_SIG = "float32[:, :, ::1], float32[:, :, ::1], int32[::1], float64[::1], boolean"
@@ -193,6 +260,8 @@ PTX_SIGNATURES = [
     (_rmsnorm_block_rows, _RMS_SIG),
     (_rope_naive, f"void({_ROPE_SIG})"),
     (_rope_shared_table, f"void({_ROPE_SIG}, boolean, int64)"),
+    (_rmsnorm_rope_rows, "void(float32[:, ::1], float32[:, ::1], float32[::1], float32, boolean, "
+                         "int32[::1], float64[::1], int64)"),
 ]
 
 

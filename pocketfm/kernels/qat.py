@@ -26,7 +26,7 @@ from numba import cuda, float32, float64, int32
 
 from .. import ops
 from ..numerics import fp4_roundtrip, hadamard_matrix
-from . import device
+from . import device, norm_rope
 from .bench import BenchCase
 from .device import capture_graph, cdiv, device_fn
 from .kvpack import (bf16_decode, e2m1_decode, e4m3_decode, index_key_bytes, kv_entry_bytes,
@@ -438,9 +438,11 @@ def _hadamard_fp4_serial(out, x, fp4):
 
 
 @device.kernel
-def _hadamard_fp4_shared(out, x, fp4):
+def _hadamard_fp4_shared(out, x, fp4, pos, freqs):
     """One block per head vector: butterfly in float64 shared memory (a barrier per stage),
-    block maxima by group_absmax, threads striding over the DI elements."""
+    block maxima by group_absmax, threads striding over the DI elements. With freqs [P] not
+    empty the vector is first RoPE'd at pos[t] (forward, last 2P dims, as norm_rope.rope: cos
+    and sin of a float64 angle in float32), on the way into shared memory."""
     h = cuda.shared.array(MAX_DI, float64)
     v = cuda.shared.array(MAX_DI, float32)
     part = cuda.shared.array(MAX_DI_PARTS, float32)
@@ -450,8 +452,16 @@ def _hadamard_fp4_shared(out, x, fp4):
     hd = cuda.blockIdx.x - t * H
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    nope = DI - 2 * freqs.shape[0]
     for c in range(tid, DI, nt):
-        h[c] = x[t, hd, c]
+        v0 = x[t, hd, c]
+        if c >= nope:  # (never, without freqs) pairs (nope + 2k, nope + 2k + 1): partner c ^ 1
+            ang = float(pos[t]) * freqs[(c - nope) // 2]
+            cs = float32(math.cos(ang))
+            sn = float32(math.sin(ang))
+            v1 = x[t, hd, c ^ 1]
+            v0 = v0 * cs - v1 * sn if c % 2 == 0 else v1 * sn + v0 * cs
+        h[c] = v0
     cuda.syncthreads()
     hadamard_shared(h, DI)
     inv = 1.0 / math.sqrt(float(DI))
@@ -467,18 +477,40 @@ def _hadamard_fp4_shared(out, x, fp4):
             out[t, hd, c] = v[c]
 
 
-def hadamard_fp4(out, x, fp4: bool, stream=0, threads=None, naive: bool = False) -> None:
+def hadamard_fp4(out, x, fp4: bool, stream=0, threads=None, naive: bool = False,
+                 rope=None) -> None:
     """out[T, H, DI] f32 <- x[T, H, DI] f32: orthonormal Hadamard per head vector, then (fp4)
-    the e2m1 round-trip in blocks of 32 (spec §4.7; DI a power of two, 32 <= DI <= 512)."""
+    the e2m1 round-trip in blocks of 32 (spec §4.7; DI a power of two, 32 <= DI <= 512).
+    ``rope`` (pos [T] int32, freqs [P] float64): x is RoPE'd first (forward) inside the same
+    launch (the decode's indexer query; x itself is left as it is; naive: a rope launch into
+    out, then the rotation in place)."""
     T, H, DI = x.shape
     if DI < FP4_BLOCK or DI > MAX_DI or DI & (DI - 1):
         raise ValueError(f"hadamard_fp4: DI={DI} must be a power of two in [32, {MAX_DI}]")
     if naive:
         nt = threads or 64
+        if rope is not None:
+            norm_rope.rope(out, x, *rope, False, stream, naive=True)
+            x = out  # (the serial kernel reads a vector whole before writing it)
         _hadamard_fp4_serial[cdiv(T * H, nt), nt, stream](out, x, int32(fp4))
     else:
         nt = threads or min(DI, 128)
-        _hadamard_fp4_shared[T * H, nt, stream](out, x, int32(fp4))
+        pos, freqs = rope or (_no_rope_pos(), _no_rope_freqs())
+        _hadamard_fp4_shared[T * H, nt, stream](out, x, int32(fp4), pos, freqs)
+
+
+_NO_ROPE: list = []
+
+
+def _no_rope_pos():
+    if not _NO_ROPE:
+        _NO_ROPE.extend([cuda.to_device(np.zeros(1, np.int32)), cuda.device_array(0, np.float64)])
+    return _NO_ROPE[0]
+
+
+def _no_rope_freqs():
+    _no_rope_pos()
+    return _NO_ROPE[1]
 
 
 # ---- index_key_pack -----------------------------------------------------------------------------
@@ -536,7 +568,7 @@ PTX_SIGNATURES = [
     (_kv_fp8_warp_blocks, f"void({_F2}, {_U2}, {_F2}, int32)"),
     (_kv_unpack_elementwise, f"void({_F2}, {_U2}, int32)"),
     (_hadamard_fp4_serial, f"void({_F3}, {_F3}, int32)"),
-    (_hadamard_fp4_shared, f"void({_F3}, {_F3}, int32)"),
+    (_hadamard_fp4_shared, f"void({_F3}, {_F3}, int32, int32[::1], float64[::1])"),
     (_index_key_pack_serial, f"void({_U2}, {_F2})"),
 ]
 

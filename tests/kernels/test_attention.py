@@ -22,7 +22,7 @@ def decode_inputs(rng, H):
     return q, win, comp, sinks
 
 
-def run_decode(q, win, nw, comp, sel, nc, hca, sinks, naive, **how):
+def run_decode(q, win, nw, comp, sel, nc, hca, sinks, naive=False, **how):
     H = q.shape[0]
     scale = 1 / math.sqrt(K)
     arrs = [np.array([nw], np.int32), sel.astype(np.int32), np.array([nc], np.int32)]
@@ -96,6 +96,34 @@ def test_attention_decode_mma_hca(nc):
     sel = np.full(S, 123456, np.int32)  # garbage: must not be read
     out, ref = run_decode(q, win, W, comp, sel, nc, 1, sinks, False, mma=True, tiles_per_split=1)
     assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("how", [dict(naive=True), dict(naive=False), dict(mma=True)])
+def test_attention_decode_rotates_the_output_back(how):
+    """``out_rope``: the inverse RoPE inside the combine (the naive path: a launch after) =
+    the reference's output through rope_ref(inverse), and within float32 rounding of the
+    separate rope launch (the same products; the GPU compiler may contract them into FMAs
+    differently in the two kernels: H200, 1 ulp)."""
+    from pocketfm.kernels import norm_rope
+    from pocketfm.numerics import rope_frequencies
+
+    rng = fresh_rng()
+    H = 3
+    q, win, comp, sinks = decode_inputs(rng, H)
+    sel = rng.choice(30, S, replace=False)
+    pos = np.array([int(rng.integers(0, 1 << 20))], np.int32)
+    freqs = rope_frequencies(R, 160000.0, 16.0, 65536)
+    dpos, dfreqs = cuda.to_device(pos), cuda.to_device(freqs)
+    how = dict(how, tiles_per_split=1) if how.get("mma") else how
+    plain, ref = run_decode(q, win, 11, comp, sel, 30, 0, sinks, **how)
+    rotated, _ = run_decode(q, win, 11, comp, sel, 30, 0, sinks, **how,
+                            out_rope=(dpos, dfreqs))
+    ref_rot = np.empty((1, H, K))
+    norm_rope.rope_ref(ref_rot, ref.reshape(1, H, K), pos, freqs, True)
+    assert rel_err(rotated, ref_rot[0]) <= 1e-4
+    two = cuda.to_device(plain.reshape(1, H, K))
+    norm_rope.rope(two, two, dpos, dfreqs, True, threads=THREADS)
+    assert rel_err(rotated, two.copy_to_host()[0]) <= 1e-6
 
 
 def test_attention_chunk():

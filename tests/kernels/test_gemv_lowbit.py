@@ -100,6 +100,60 @@ def test_dp4a_slots(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_shared_x_row_equals_its_copies(name):
+    """With ids, x [1, K] serves every id (the MoE's routed gate/up at decode, no broadcast
+    launch): the same bits as k copies of the row, whose path test_dp4a_slots checks against
+    the reference. The dp4a kernel for every type; the naive one (slow here) for IQ2_XXS."""
+    qtype = TYPES[name]
+    spec = gl.SPECS[qtype]
+    N, K, T = 9, 256, 3
+    w, x1, _, _ = _case(qtype, 3, N, K, 1, False)
+    ids = cuda.to_device(fresh_rng().integers(0, 3, T).astype(np.int32))
+    x_rep = cuda.to_device(np.repeat(x1.copy_to_host(), T, axis=0))
+    for how in ("decode", "naive") if qtype == GGMLType.IQ2_XXS else ("decode",):
+        one, rep = poisoned((T, N)), poisoned((T, N))
+        gl._launch(spec, one, w, x1, ids, 0, THREADS, how)
+        gl._launch(spec, rep, w, x_rep, ids, 0, THREADS, how)
+        assert np.array_equal(one.copy_to_host(), rep.copy_to_host()), how
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gemv_swiglu_equals_swiglu_then_gemv(name):
+    """The down projection with the SwiGLU made in its x preparation: the same bits as
+    moe.swiglu_fused into h and then the decode GEMV (the two launches it replaces), with and
+    without the clamp (gate/up wide enough that it bites, silu's tails included), with ids and
+    without (one weight, as for the shared expert); and within the dp4a kernels' bound
+    (test_dp4a_slots) of the float64 reference gemv_swiglu_ref."""
+    from pocketfm.kernels import moe
+    qtype = TYPES[name]
+    spec = gl.SPECS[qtype]
+    rng = fresh_rng()
+    E, N, F, T = 3, 9, 256, 3
+    raw = quants.random_blocks(qtype, (E, N, F), rng, std=0.05)
+    host = gl.PACKERS[qtype](raw, N, F)
+    w = host.to_device()
+    gu = rng.normal(0.0, 8.0, (T, 2 * F)).astype(np.float32)
+    gu[0, :3] = [-200.0, 200.0, 0.0]
+    wts = rng.uniform(0.1, 1.0, T).astype(np.float32)
+    ids = rng.integers(0, E, T).astype(np.int32)
+    d_gu, d_wts, d_ids = cuda.to_device(gu), cuda.to_device(wts), cuda.to_device(ids)
+    W = np.abs(quants.dequantize(raw, qtype).astype(np.float64))  # [E, N, F]
+    for clamp, with_ids in ((10.0, True), (0.0, False)):
+        fused, h, unfused = poisoned((T, N)), poisoned((T, F)), poisoned((T, N))
+        i, d_i = (ids, d_ids) if with_ids else (np.zeros(T, np.int32), None)  # None: expert 0
+        gl.gemv_swiglu(fused, w, d_gu, d_wts, clamp, d_i, threads=THREADS)
+        moe.swiglu_fused(h, d_gu, d_wts, clamp, threads=THREADS)
+        gl._launch(spec, unfused, w, h, d_i, 0, THREADS, "decode")
+        got = fused.copy_to_host()
+        assert np.array_equal(got, unfused.copy_to_host()), clamp
+        ref = np.empty((T, N))
+        gl.gemv_swiglu_ref(ref, host, gu.astype(np.float64), wts.astype(np.float64), clamp, i)
+        err = DP4A_X_STEP * np.abs(h.copy_to_host()).max(axis=1)[:, None] * W[i].sum(axis=2)
+        assert rel_err(got, ref) <= 1e-3, clamp
+        assert np.all(np.abs(got - ref) <= err + 1e-6 * np.abs(ref) + 1e-7), clamp
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_smem_tiles(name):
     qtype = TYPES[name]
     spec = gl.SPECS[qtype]

@@ -57,6 +57,34 @@ def test_hc_pre_with_side_stream(HC):
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
 
 
+@pytest.mark.parametrize("path", ["side", "split", "naive", "mix"])
+def test_hc_pre_with_the_input_norm(path):
+    """``norm=``: u's RMSNorm with the sublayer's weight too (fused into the u block on the
+    side-stream path, a launch after it on the others); u itself is still written."""
+    from pocketfm.kernels import device
+    from pocketfm.kernels.norm_rope import rmsnorm_ref
+
+    rng = fresh_rng()
+    HC, T, D = 4, 2, 256
+    M = (2 + HC) * HC
+    X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    w = rng.standard_normal(D).astype(np.float32)
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, *_f64(X, fn, base, scale), 1e-6, 1e-6, 20)
+    ref_n = np.empty((T, D))
+    rmsnorm_ref(ref_n, ref_u, w, 1e-6, True)
+    u, post, comb, un = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC)), poisoned((T, D))
+    side = device.SideStream() if path == "side" else None
+    how = dict(side=side, naive=path == "naive", mix=poisoned((T, M)) if path == "mix" else None)
+    hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+              threads=THREADS, norm=(un, cuda.to_device(w)), **how)
+    if side is not None:
+        side.join(0)
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+    assert rel_err(un.copy_to_host(), ref_n) <= 1e-4
+    assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
 @pytest.mark.parametrize("T", [3, 7])
 def test_hc_pre_chunk_mix(T):
     """A prefill chunk: the mix as a GEMM into the ``mix`` workspace (T = 3: gemv's decode

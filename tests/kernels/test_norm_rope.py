@@ -72,3 +72,31 @@ def test_rope_kv_single_head_roundtrip():
     assert rel_err(y.copy_to_host(), ref) <= 1e-4
     norm_rope.rope(y, y, dp, df, True, threads=THREADS)
     assert rel_err(y.copy_to_host(), x) <= 1e-4
+
+
+@pytest.mark.parametrize("naive", [False, True])
+@pytest.mark.parametrize("use_weight", [True, False])
+def test_rmsnorm_rope_fused(naive, use_weight):
+    """One launch = rmsnorm then rope (the decode's q heads, weightless; its kv row, weighted):
+    against the references, and bit for bit against the two fast launches."""
+    rng = fresh_rng()
+    T, H, n, R = 2, 3, 72, 16  # n not a multiple of the block
+    pos = np.array([0, *rng.integers(0, 1 << 20, T - 1)], np.int32)
+    freqs = rope_frequencies(R, 160000.0, 16.0, 65536)
+    x = (rng.standard_normal((T, H, n)) * rng.uniform(0.1, 10, (T, H, 1))).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    ref = np.empty((T, H, n))
+    norm_rope.rmsnorm_rope_ref(ref, x.astype(np.float64), w, 1e-6, use_weight, pos, freqs)
+    dx, dw, dp, df = (cuda.to_device(a) for a in (x, w, pos, freqs))
+    out = poisoned((T, H, n))
+    norm_rope.rmsnorm_rope(out, dx, dw, 1e-6, use_weight, dp, df, threads=THREADS, naive=naive)
+    got = out.copy_to_host()
+    assert rel_err(got, ref) <= 1e-4
+    if not naive:  # in place, as the engine runs it, and = the separate kernels
+        two = cuda.to_device(x)
+        norm_rope.rmsnorm(two.reshape(T * H, n), two.reshape(T * H, n), dw, 1e-6, use_weight,
+                          threads=THREADS)
+        norm_rope.rope(two, two, dp, df, False, threads=THREADS)
+        norm_rope.rmsnorm_rope(dx, dx, dw, 1e-6, use_weight, dp, df, threads=THREADS)
+        assert np.array_equal(dx.copy_to_host(), two.copy_to_host())
+        assert np.array_equal(got, two.copy_to_host())

@@ -127,6 +127,32 @@ def test_hadamard_fp4_matches_matrix_product(naive, T, H, DI):
 
 
 @pytest.mark.parametrize("naive", [False, True])
+def test_hadamard_fp4_with_rope_first(naive):
+    """``rope=``: the decode's indexer query, RoPE'd on the way in = rope then the rotation."""
+    from pocketfm.kernels import norm_rope
+    from pocketfm.numerics import rope_frequencies
+
+    rng = fresh_rng()
+    T, H, DI, R = 2, 3, 64, 16
+    x = rng.normal(size=(T, H, DI)).astype(np.float32)
+    pos = rng.integers(0, 1 << 20, T).astype(np.int32)
+    freqs = rope_frequencies(R, 160000.0, 16.0, 65536)
+    roped = np.empty((T, H, DI))
+    norm_rope.rope_ref(roped, x.astype(np.float64), pos, freqs, False)
+    ref = np.empty((T, H, DI))
+    qat.hadamard_fp4_ref(ref, roped, False)
+    dx, rope = cuda.to_device(x), (cuda.to_device(pos), cuda.to_device(freqs))
+    rot, q = poisoned(x.shape), poisoned(x.shape)
+    qat.hadamard_fp4(rot, dx, False, threads=THREADS, naive=naive, rope=rope)
+    qat.hadamard_fp4(q, dx, True, threads=THREADS, naive=naive, rope=rope)
+    rot = rot.copy_to_host()
+    assert rel_err(rot, ref) <= 1e-6
+    assert np.array_equal(dx.copy_to_host(), x)  # x itself is not rotated
+    flips = np.count_nonzero(q.copy_to_host() != fp4_roundtrip(rot, 32))
+    assert flips <= max(1, x.size // 1000)
+
+
+@pytest.mark.parametrize("naive", [False, True])
 def test_hadamard_fp4_ties_to_even(naive):
     """DI = 64 makes 1/sqrt(DI) = 1/8 exact: choose the rotated vector y on FP4 ties, send
     x = y @ H (exact), and the kernel must see y exactly and round every tie to the even code."""

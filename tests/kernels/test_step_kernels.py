@@ -107,8 +107,8 @@ def test_resident_mask_and_drop():
 def test_sort_selected_rows():
     """Top-k picks in a repeatable order: ascending, -1 pads last (k not a power of two too)."""
     rng = fresh_rng()
-    for T, k in ((3, 37), (2, 64), (1, 1)):
-        sel = np.stack([rng.permutation(200)[:k] for _ in range(T)]).astype(np.int32)
+    for T, k in ((3, 37), (2, 64), (1, 1), (1, 300)):  # 300: more pairs than threads
+        sel = np.stack([rng.permutation(1000)[:k] for _ in range(T)]).astype(np.int32)
         sel[rng.random((T, k)) < 0.3] = -1
         d = cuda.to_device(sel)
         sk.sort_selected(d)
