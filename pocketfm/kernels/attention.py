@@ -28,7 +28,7 @@ from .. import ops
 from . import device, kvpack
 from .bench import BenchCase
 from .device import cdiv
-from .norm_rope import rope
+from .norm_rope import rope, rope_element
 
 HPW = 2  # heads per warp: a lane holds q and the accumulator of HPW heads x K/32 dims
 DPL = 16  # dims per lane at most (K <= 512)
@@ -478,14 +478,9 @@ def _attention_combine(out, part, sinks, pos, freqs):
         mine[t] = o if d < K else float32(0.0)
         cuda.syncthreads()
         if nope <= d < K:
-            k = (d - nope) // 2
-            ang = float(pos[0]) * freqs[k]
-            c = float32(math.cos(ang))
-            sn = float32(-math.sin(ang))
-            if (d - nope) % 2 == 0:
-                o = o * c - mine[t + 1] * sn
-            else:
-                o = mine[t - 1] * sn + o * c
+            even = (d - nope) % 2 == 0
+            o = rope_element(o, mine[t + 1] if even else mine[t - 1], pos[0],
+                             freqs[(d - nope) // 2], even, True)
     if d < K:
         out[h, d] = o
 
@@ -579,21 +574,9 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
         kern[(P, groups), nt, stream, smem](
             part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
             sel, n_comp_visible, int32(all_visible), float32(scale))
-    pos, freqs = out_rope or (_no_pos(), _no_freqs())
+    pos, freqs = out_rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
     _attention_combine[(cdiv(K, COMBINE_THREADS), H), COMBINE_THREADS, stream](out, part, sinks,
                                                                               pos, freqs)
-
-
-def _no_pos():
-    if "no_pos" not in _SCRATCH:
-        _SCRATCH["no_pos"] = cuda.to_device(np.zeros(1, np.int32))
-        _SCRATCH["no_freqs"] = cuda.device_array(0, np.float64)
-    return _SCRATCH["no_pos"]
-
-
-def _no_freqs():
-    _no_pos()
-    return _SCRATCH["no_freqs"]
 
 
 def attention_chunk(out, q, keys_packed, mask, sinks, scale: float, stream=0,

@@ -299,7 +299,7 @@ def compressor_step(state_kv, state_score, a, g, ape, pos, ratio: int, overlap: 
         state_kv, state_score, a.reshape(1, width), g.reshape(1, width), ape, pos, int32(ratio),
         int32(overlap), norm_w, freqs, float32(rms_eps), int32(mode),
         _or_empty(out_entries, np.float32), _or_empty(out_packed, np.uint8),
-        _no_rowmap() if rowmap is None else rowmap)
+        device.empty_vector(np.int32) if rowmap is None else rowmap)
 
 
 # ---- prefill chunk ------------------------------------------------------------------------------
@@ -425,17 +425,6 @@ def compressor_chunk(state_kv, state_score, a, g, ape, pos0, ratio: int, overlap
 
 
 # ---- launch helpers -----------------------------------------------------------------------------
-class _NoRowmap:
-    """A zero-length int32 device vector, made on first use (no allocation at import)."""
-    arr = None
-
-
-def _no_rowmap():
-    if _NoRowmap.arr is None:
-        _NoRowmap.arr = cuda.device_array(0, np.int32)
-    return _NoRowmap.arr
-
-
 def _or_empty(arr, dtype):
     return empty_rows(dtype) if arr is None else arr
 

@@ -252,6 +252,18 @@ class SideStream:
             self.joined.wait(main)
 
 
+_EMPTY_VECTORS: dict = {}
+
+
+def empty_vector(dtype):
+    """A zero-length 1-D device array of ``dtype``, made once: the stand-in for an optional
+    vector argument that is absent (no allocation per call, none inside a graph capture)."""
+    key = np.dtype(dtype).str
+    if key not in _EMPTY_VECTORS:
+        _EMPTY_VECTORS[key] = cuda.device_array(0, dtype)
+    return _EMPTY_VECTORS[key]
+
+
 _STREAM_BUFFERS: dict = {}
 
 

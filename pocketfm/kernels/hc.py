@@ -531,7 +531,7 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         splits = _mix(part, X, fn, M, stream, threads)
         _hc_pre_finish_post[T, 128, side.fork(stream)](out_post, out_comb, X, part, base, scale,
                                                        *eps, splits)
-        out_norm, norm_w = norm or (out_u, _no_weight())
+        out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
         _hc_pre_finish_u[T, nf, stream](out_u, X, part, base, scale, *eps[:2], splits, out_norm,
                                         norm_w)
         return
@@ -543,16 +543,6 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         _hc_pre_finish[T, nf, stream](out_u, out_post, out_comb, X, base, scale, *eps, splits)
     if norm is not None:
         rmsnorm(norm[0], out_u, norm[1], rms_eps, True, stream, threads, naive=naive)
-
-
-def _no_weight():
-    """An empty float32 device array: 'no norm' for _hc_pre_finish_u (made once)."""
-    if "no_weight" not in _STATE:
-        _STATE["no_weight"] = cuda.device_array(0, np.float32)
-    return _STATE["no_weight"]
-
-
-_STATE: dict = {}
 
 
 def hc_head(out_u, X, fn, base, scale, rms_eps, hc_eps, stream=0, threads=None,
@@ -631,7 +621,8 @@ def bench_cases(stream):
     def u_path():  # what stays on the engine's main stream: the mix, then u
         splits = _mix(part, X, fn, M, stream, None)
         _hc_pre_finish_u[T, nf, stream](u, X, part, base, scale, np.float32(1e-6),
-                                        np.float32(1e-6), splits, u, _no_weight())
+                                        np.float32(1e-6), splits, u,
+                                        device.empty_vector(np.float32))
     cases = [BenchCase("hc", "hc_pre T=1 side stream (post + Sinkhorn beside u), joined",
                        pre_side, bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T),
              BenchCase("hc", "hc_pre T=1 main-stream part only (mix + u)", u_path,

@@ -181,6 +181,17 @@ def _rope_shared_table(out, x, pos, freqs, inverse, copy_nope, heads_per_block):
             out[t, h, i] = x[t, h, i]
 
 
+@cuda.jit(device=True)
+def rope_element(v, partner, pos, freq, even, inverse):
+    """One element of a rotated pair, for kernels whose thread holds one element and can read
+    its partner: v is element 2k (``even``) or 2k + 1 of the pair, partner the other one; the
+    angle pos * freq in float64, its cos / sin rounded to float32 (as _rope_shared_table)."""
+    ang = float(pos) * freq
+    c = np.float32(math.cos(ang))
+    s = np.float32(-math.sin(ang)) if inverse else np.float32(math.sin(ang))
+    return v * c - partner * s if even else partner * s + v * c
+
+
 def rope(out, x, pos, freqs, inverse: bool, stream=0, threads=None, naive: bool = False,
          heads_per_block: int = 8) -> None:
     """Launcher: out/x [T, H, n] float32 (may be the same array), pos [T] int32, freqs [P]

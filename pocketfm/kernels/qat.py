@@ -456,11 +456,8 @@ def _hadamard_fp4_shared(out, x, fp4, pos, freqs):
     for c in range(tid, DI, nt):
         v0 = x[t, hd, c]
         if c >= nope:  # (never, without freqs) pairs (nope + 2k, nope + 2k + 1): partner c ^ 1
-            ang = float(pos[t]) * freqs[(c - nope) // 2]
-            cs = float32(math.cos(ang))
-            sn = float32(math.sin(ang))
-            v1 = x[t, hd, c ^ 1]
-            v0 = v0 * cs - v1 * sn if c % 2 == 0 else v1 * sn + v0 * cs
+            v0 = norm_rope.rope_element(v0, x[t, hd, c ^ 1], pos[t], freqs[(c - nope) // 2],
+                                        c % 2 == 0, False)
         h[c] = v0
     cuda.syncthreads()
     hadamard_shared(h, DI)
@@ -495,22 +492,8 @@ def hadamard_fp4(out, x, fp4: bool, stream=0, threads=None, naive: bool = False,
         _hadamard_fp4_serial[cdiv(T * H, nt), nt, stream](out, x, int32(fp4))
     else:
         nt = threads or min(DI, 128)
-        pos, freqs = rope or (_no_rope_pos(), _no_rope_freqs())
+        pos, freqs = rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
         _hadamard_fp4_shared[T * H, nt, stream](out, x, int32(fp4), pos, freqs)
-
-
-_NO_ROPE: list = []
-
-
-def _no_rope_pos():
-    if not _NO_ROPE:
-        _NO_ROPE.extend([cuda.to_device(np.zeros(1, np.int32)), cuda.device_array(0, np.float64)])
-    return _NO_ROPE[0]
-
-
-def _no_rope_freqs():
-    _no_rope_pos()
-    return _NO_ROPE[1]
 
 
 # ---- index_key_pack -----------------------------------------------------------------------------
