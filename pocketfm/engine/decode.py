@@ -126,10 +126,15 @@ class DecodeEngine:
         # own shape and the fast kernels.
         self.nt = 32 if device.SIMULATOR else None
         self.sim = {"naive": True} if device.SIMULATOR else {}
-        # independent parts of a step (the kv entry + compressor beside the query + indexer;
-        # the shared expert beside the routed ones) run on a second stream: concurrent
-        # branches of the captured graph (``branches = False``: one stream, e.g. to profile)
+        # independent parts of a step run on other streams: concurrent branches of the captured
+        # graph (``branches = False``: one stream, e.g. to profile). Beside the main stream's
+        # query and indexer: the kv entry + compressor (and HC's post + comb) on ``side``; the
+        # attention heads' q_b + norm + RoPE on ``side_q``, the indexer's keys and head weights
+        # on ``side_idx``, so that the query, the indexer's query and its keys are made at once
+        # (each of these chains is ~20 µs of small launches on a CSA layer). The shared expert
+        # runs beside the routed ones on ``side``.
         self.side, self.branches = device.SideStream(), True
+        self.side_q, self.side_idx = device.SideStream(), device.SideStream()
         if device.SIMULATOR:
             simulator_prefers_rows()
 
@@ -216,6 +221,8 @@ class DecodeEngine:
                threads=nt, side=side, norm=(u, L.attn_norm), **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
+        if cfg.is_csa(i):  # the indexer's keys and weights, from u alone: on their own branch
+            self._indexer_keys(i, L, c, self.side_idx.fork(s) if self.branches else s)
         # the kv entry and the compressor on the side stream, beside the query and the indexer
         s2 = self.side.fork(s) if self.branches else s
         gemv(self.kv, L.kv, u, None, s2, threads=nt)
@@ -236,13 +243,16 @@ class DecodeEngine:
                             stream=s2, threads=nt, rowmap=rowmap)
         gemv(self.cq, L.q_a, u, None, s, threads=nt)
         rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
-        gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, s, threads=nt)
+        sq = self.side_q.fork(s) if self.branches and cfg.is_csa(i) else s  # beside the indexer
+        gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
         q2 = self.q.reshape(H, K)
-        rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, s,
+        rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
                      threads=nt, **sim)  # the weightless per-head norm, then RoPE
         if cfg.is_csa(i):
             self._indexer(i, L, c)
         if self.branches:
+            if sq is not s:
+                self.side_q.join(s)
             self.side.join(s)
         scale = 1.0 / math.sqrt(K)
         back = (self.pos, L.freqs)  # the output's inverse RoPE, inside the combine
@@ -266,11 +276,11 @@ class DecodeEngine:
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
         hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt, **sim)
 
-    def _indexer(self, i: int, L, c) -> None:
-        """Emit this token's indexer key (every 4th token), score the visible keys, top-k."""
-        cfg, s, u = self.cfg, self.stream, self.u_norm
-        nt, sim = self.nt, self.sim
-        HI, DI = cfg.index_heads, cfg.index_dim
+    def _indexer_keys(self, i: int, L, c, s) -> None:
+        """On stream ``s``: emit this token's indexer key (every 4th token) and make the
+        indexer's head weights, both from u alone; ``_indexer`` joins them before scoring."""
+        cfg, u, nt = self.cfg, self.u_norm, self.nt
+        DI = cfg.index_dim
         ia, ig = self.idx_in
         gemv(ia, L.idx_kv, u, None, s, threads=nt)
         gemv(ig, L.idx_gate, u, None, s, threads=nt)
@@ -280,11 +290,20 @@ class DecodeEngine:
         compressor_step(c.index_kv, c.index_score, ia.reshape(2 * DI), ig.reshape(2 * DI),
                         L.idx_ape, self.pos, c.ratio, True, L.idx_norm, L.freqs, cfg.rms_eps,
                         MODE_INDEX_FP4, None, keys, stream=s, threads=nt, rowmap=rowmap)
+        gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
+        sk.scale(self.idx_w, index_weight_scale(cfg), s)
+
+    def _indexer(self, i: int, L, c) -> None:
+        """The indexer's query, then (its keys and weights joined) the scores and the top-k."""
+        cfg, s = self.cfg, self.stream
+        nt, sim = self.nt, self.sim
+        HI, DI = cfg.index_heads, cfg.index_dim
         gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, self.cq_norm, None, s, threads=nt)
         hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt,
                      rope=(self.pos, L.freqs), **sim)  # RoPE, rotation, FP4: one launch
-        gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
-        sk.scale(self.idx_w, index_weight_scale(cfg), s)
+        if self.branches:
+            self.side_idx.join(s)
+        swapped = self.swap is not None and i in self.swap.krank
         n = self.n_comp[c.ratio]
         scores = self.scores[:max(1, self.capacity // c.ratio)]
         q, w = self.qi_rot.reshape(HI, DI), self.idx_w.reshape(HI)

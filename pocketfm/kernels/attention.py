@@ -438,7 +438,8 @@ def _split_kernel(K: int, R: int, NT: int):
 def _attention_combine(out, part, sinks, pos, freqs):
     """out[H, K] <- the P split partials of head blockIdx.y, dims blockIdx.x·blockDim.x + t,
     merged with the sink in the denominator. The P (max, sum) pairs go through shared memory
-    once per block; the accumulator loads are issued eight at a time (independent loads in
+    once per block, and every thread takes their exponentials itself (P ≤ 32 exps against two
+    more block barriers); the accumulator loads are issued eight at a time (independent loads in
     flight instead of one L2 round trip per split). With freqs [R/2] not empty, the last R dims
     are then rotated back by the inverse RoPE at pos[0] (§4.9) with norm_rope.rope's float32
     cos/sin of a float64 angle: the pair partner is the neighbouring thread (R and K - R even,
@@ -447,22 +448,18 @@ def _attention_combine(out, part, sinks, pos, freqs):
     H, K = out.shape
     h = cuda.blockIdx.y
     t = cuda.threadIdx.x
-    w = cuda.shared.array(MAX_SPLITS, float32)  # exp(m_p - M)
+    mx = cuda.shared.array(MAX_SPLITS, float32)  # m_p
     sums = cuda.shared.array(MAX_SPLITS, float32)  # l_p
     for p in range(t, P, cuda.blockDim.x):
-        w[p] = part[p, h, K]
+        mx[p] = part[p, h, K]
         sums[p] = part[p, h, K + 1]
     cuda.syncthreads()
     M = sinks[h]
     for p in range(P):
-        M = max(M, w[p])
-    cuda.syncthreads()
-    for p in range(t, P, cuda.blockDim.x):
-        w[p] = float32(math.exp(w[p] - M))  # an empty split (m = -inf): weight 0
-    cuda.syncthreads()
+        M = max(M, mx[p])
     den = float32(math.exp(sinks[h] - M))
     for p in range(P):
-        den += w[p] * sums[p]
+        den += float32(math.exp(mx[p] - M)) * sums[p]  # an empty split (m = -inf): weight 0
     d = cuda.blockIdx.x * cuda.blockDim.x + t
     o = float32(0.0)
     if d < K:
@@ -470,7 +467,8 @@ def _attention_combine(out, part, sinks, pos, freqs):
         for p0 in range(0, P, 8):
             for u in range(8):
                 p = min(p0 + u, P - 1)
-                num += part[p, h, d] * (w[p] if p0 + u < P else float32(0.0))
+                wp = float32(math.exp(mx[p] - M)) if p0 + u < P else float32(0.0)
+                num += part[p, h, d] * wp
         o = num / den
     nope = K - 2 * freqs.shape[0]
     if freqs.shape[0] > 0 and cuda.blockIdx.x * cuda.blockDim.x + cuda.blockDim.x > nope:

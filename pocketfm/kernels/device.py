@@ -22,10 +22,11 @@ FULL_MASK = 0xFFFFFFFF
 
 
 def kernel(fn=None, **opts):
-    """``cuda.jit`` with fastmath off by default and profiler-only options dropped in the
-    simulator (it raises TypeError on ``lineinfo``)."""
+    """``cuda.jit`` with fastmath off by default and profiler / register options dropped in
+    the simulator (it raises TypeError on ``lineinfo`` and ``max_registers``)."""
     if SIMULATOR:
         opts.pop("lineinfo", None)
+        opts.pop("max_registers", None)
     else:
         opts.setdefault("lineinfo", True)
     deco = cuda.jit(**opts)
@@ -219,6 +220,26 @@ def sm_count() -> int:
     return _SM_COUNT[0]
 
 
+_RESIDENT: dict = {}  # (kernel, argument types, threads, smem) -> blocks resident at once
+
+
+def resident_blocks(kern, args, threads: int, smem: int = 0, simulated: int = 4) -> int:
+    """How many blocks of ``threads`` threads of ``kern`` (compiled for ``args``, with ``smem``
+    bytes of dynamic shared memory) the whole GPU holds at once: the compiled kernel's
+    registers and shared memory decide. A persistent grid of this size is one wave: every
+    block streams from the start and none waits for a second round (a Q8_0 GEMV sized for 8
+    blocks an SM but holding 3 ran in 2.7 waves: ncu, 2026-12-02). The simulator has no
+    occupancy: ``simulated`` blocks (enough for the caller's tests to reach its grid-stride
+    loops)."""
+    if SIMULATOR:
+        return simulated
+    types = tuple(kern.typeof_pyval(a) for a in args)
+    key = (kern, types, threads, smem)
+    if key not in _RESIDENT:
+        _RESIDENT[key] = kern.compile(types).max_cooperative_grid_blocks(threads, smem)
+    return _RESIDENT[key]
+
+
 def gpu_available() -> bool:
     """True on a real CUDA device (never in the simulator)."""
     return not SIMULATOR and cuda.is_available()
@@ -286,8 +307,9 @@ def capture_graph(launches, stream, warm: bool = True):
 
     With ``warm`` each launch runs once first so that compilation, module load and any lazy
     allocation happen outside the capture (``warm=False`` when running them would change state
-    the caller keeps: the caller has run them already). The graph holds raw device pointers, so ``replay`` keeps the launch
-    callables — and through them every array they use — alive for as long as it lives.
+    the caller keeps: the caller has run them already). The graph holds raw device pointers,
+    so ``replay`` keeps the launch callables — and through them every array they use — alive
+    for as long as it lives.
     """
     from cuda.bindings import driver as drv
 

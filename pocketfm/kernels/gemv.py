@@ -19,8 +19,9 @@ Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one
   shared memory) and streams rows past it; each lane issues R x CPL independent 16-byte
   ``ld.global.nc.v4`` loads per step, and the next step's loads go out before this step's math.
   Blocks are persistent (grid-stride over row groups), so x is read once per block.
-- ``_gemv_q8_0_dp4a_prefetch_splitk_b1`` (Q8_0 decode, one token per weight, when blocks
-  stream several row groups: the output head, attn_q_b; see DP4A_WHEN): the same with x split
+- ``_gemv_q8_0_dp4a_prefetch_splitk_b1`` (Q8_0 decode, one token per weight, weights of 16 M
+  elements and more: the output head, attn_q_b / output_a / output_b, the shared expert's
+  gate+up; see DP4A_MIN_ELEMENTS): the same with x split
   into three int8 limbs so that dp4a does the Q8_0 dot products at float32 accuracy (see
   ``_x_limbs``). ``_q8_0_x_limbs`` makes the limbs once per launch (a second, tiny launch);
   every block loads its lanes' limbs from that copy instead of quantising x itself. dp4a takes
@@ -30,10 +31,14 @@ Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one
   hands these shapes to the tensor-core GEMM of mma.py instead (bf16x3 MMAs, float32-exact to
   ~1e-5); the simulator keeps this kernel, and ``method="batched"`` still forces it.
 
-Measured on the H200 (copy bandwidth 4.14 TB/s; graphs of 20 launches over >= 300 MB of weight
-copies, so L2 serves nothing): Q8_0 decode 75% of copy bandwidth on the output head, 41% on
-32768 x 1024, 27% on 4096 x 8192, 17% / 11% on the 4 MB / 2 MB attn_q_a / attn_kv (latency
-bound: a few µs whatever the kernel); F32 74%, F16 / BF16 54% at 4096 x 4096. Naive Q8_0: 20%.
+The decode grids are one wave of the compiled kernel (``device.resident_blocks``): registers,
+not threads, bound the blocks an SM holds (128 / 142 registers: 4 / 3 blocks of 128 threads).
+
+Measured on the H200 (copy bandwidth 4.06 TB/s; graphs of 20 launches over >= 256 MB of weight
+copies, so L2 serves nothing; 2026-12-02): Q8_0 decode 94% of copy bandwidth on the output head
+(143.9 µs), 58% on attn_q_b 32768 x 1024 (15.1 µs), 49% on attn_output_b 4096 x 8192 (17.9
+µs), 17% / 11% on the 4 MB / 2 MB attn_q_a / attn_kv (latency bound: a few µs whatever the
+kernel); F32 74%, F16 / BF16 54% at 4096 x 4096. Naive Q8_0: 20%.
 """
 from __future__ import annotations
 
@@ -45,13 +50,23 @@ from numba import cuda
 
 from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
 from .bench import BenchCase
-from .device import (SIMULATOR, block_sum, capture_graph, cdiv, kernel, sm_count, stream_buffer,
-                     warp_sum)
+from .device import (SIMULATOR, block_sum, capture_graph, cdiv, kernel, resident_blocks, sm_count,
+                     stream_buffer, warp_sum)
 from .lowbit_layout import _f32_bits
 from .qweight import QWeight
 
 DECODE_MAX_TOKENS = 4  # shared weights: up to this many tokens use the decode kernel
 DECODE_MAX_IDS = 16  # expert-indexed: up to this many (token, expert) pairs run one by one
+# The Q8_0 decode takes dp4a (x prepared by one more launch) for weights of at least this many
+# elements (over all ids), the float kernel below: H200, graphs of 20, one wave (2026-12-02),
+# dp4a / float µs: attn_q_b 32768 x 1024 15.1 / 17.5, output head 143.9 / 180.8, attn_output_b
+# 4096 x 8192 17.9 / 19.5, shared gate+up 4096 x 4096 12.7 / 13.2; shared down 4096 x 2048
+# 9.9 / 9.1, attn_q_a 9.0 / 6.4, attn_kv 7.9 / 4.8 (the extra launch is most of a small one).
+DP4A_MIN_ELEMENTS = 1 << 24
+# Registers of the dp4a kernel: capped from 142 to 128, 4 blocks of 128 threads an SM instead of
+# 3 (no spills): output head 152.8 -> 143.9 µs, attn_output_b 22.0 -> 17.9; 96 or 64 spill and
+# lose (same sweep).
+DP4A_REGS = 128
 
 # ---- register-level helpers: 16-byte loads, bit casts, dp4a ------------------------------------
 # Numba has no vector loads, no int<->float bit casts and no dp4a. On the GPU each is a few lines
@@ -246,35 +261,39 @@ def _gemv_ref(out: np.ndarray, w: QWeight, x: np.ndarray, ids: np.ndarray | None
 gemv_f32_ref = gemv_f16_ref = gemv_bf16_ref = gemv_q8_0_ref = _gemv_ref
 
 # ---- kernels -------------------------------------------------------------------------------------
-def _named(fn, name):
+def _named(fn, name, **opts):
     fn.__name__ = fn.__qualname__ = name
-    return kernel(fn)
+    return kernel(fn, **opts)
 
 
 def _thread_per_row_kernel(ty: _Type):
     EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
     HAS_SCALE = ty.sblock > 0
+    if SIMULATOR:
+        dq = dq.py_func  # a plain call: the simulator's device-call wrapper costs more than it
 
     def k(out, wq, ws, x, ids, per_token, K):
-        # grid (N / threads, T): one thread per output element, serial over its row. Slow on a
-        # GPU (uncoalesced); the cheapest path in the simulator, where every thread is Python.
-        n, t = cuda.grid(1), cuda.blockIdx.y
-        if n >= out.shape[1]:
-            return
+        # grid (blocks, T): a thread per output element at a time, serial over its row, striding
+        # over the rows. Slow on a GPU (uncoalesced); the cheapest path in the simulator, where
+        # every thread is a Python thread (started at ~0.3 ms each: one block of few threads).
+        t = cuda.blockIdx.y
         e = ids[t] if per_token else 0
-        acc = np.float32(0)
-        for j in range(K // EPW):
-            w = wq[e, n, j]
-            s = np.float32(ws[e, n, j * EPW // SB]) if HAS_SCALE else np.float32(1)
-            for i in range(EPW):
-                acc += (dq(w, i) * s) * x[t, j * EPW + i]
-        out[t, n] = acc
+        for n in range(cuda.grid(1), out.shape[1], cuda.gridDim.x * cuda.blockDim.x):
+            acc = np.float32(0)
+            for j in range(K // EPW):
+                w = wq[e, n, j]
+                s = np.float32(ws[e, n, j * EPW // SB]) if HAS_SCALE else np.float32(1)
+                for i in range(EPW):
+                    acc += (dq(w, i) * s) * x[t, j * EPW + i]
+            out[t, n] = acc
     return _named(k, f"_gemv_{ty.name}_thread_per_row")
 
 
 def _naive_kernel(ty: _Type):
     EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
     HAS_SCALE = ty.sblock > 0
+    if SIMULATOR:
+        dq = dq.py_func  # a plain call: the simulator's device-call wrapper costs more than it
 
     def k(out, wq, ws, x, ids, per_token, K):
         # grid (N, T): one block per output element; threads stride over the row's words
@@ -379,7 +398,7 @@ def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, S
                 sv[i * CPL + j] = np.float32(_ld(ws, row * ks + c // CPS))
 
 
-def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False):
+def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, **opts):
     """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
     16-byte chunks of its warp's K-slice and holds their x; R rows per warp per step. The next
     step's loads are issued before this step's math (registers double-buffered), so a warp
@@ -497,7 +516,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False):
                         out[t0 + b, n] = s
                 p ^= 1
             g += cuda.gridDim.x
-    return _named(k, f"_gemv_{ty.name}_{'dp4a' if INT8 else 'xregs'}_prefetch_splitk_b{B}")
+    return _named(k, f"_gemv_{ty.name}_{'dp4a' if INT8 else 'xregs'}_prefetch_splitk_b{B}", **opts)
 
 
 TK = 32  # K step of the tiled GEMM (one Q8_0 block)
@@ -627,13 +646,9 @@ _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
                                {B: _decode_kernel(ty, B, *_decode_shape(ty, B))
                                 for B in range(1, DECODE_MAX_TOKENS + 1)},
                                _batched_kernel(ty, GEMM_MICRO, GEMM_MICRO),
-                               _decode_kernel(ty, 1, 2, 4, int8=True) if ty is _Q8_0 else None)
+                               _decode_kernel(ty, 1, 2, 4, int8=True, max_registers=DP4A_REGS)
+                               if ty is _Q8_0 else None)
             for ty in (_F32, _F16, _BF16, _Q8_0)}
-# DP4A_WHEN: the Q8_0 decode takes dp4a (prepared x, +1 launch) only when the persistent grid
-# is full and blocks stream more than one row group; else the float kernel. H200, graphs of 20
-# (2026-12-02): attn_q_b 32768 x 1024 18.6 vs 20.8 µs, output head 164 vs 182 µs; one group
-# per block loses the extra launch: attn_output_b 26.6 vs 24.1, attn_q_a 8.9 vs 6.4, attn_kv
-# 8.0 vs 4.8, shared expert 12.4 vs 9.7 µs.
 _TYPES = {ty.qtype: ty for ty in (_F32, _F16, _BF16, _Q8_0)}
 _ROWS = {ty.qtype: _thread_per_row_kernel(ty) for ty in (_F32, _F16, _BF16, _Q8_0)}
 
@@ -659,12 +674,13 @@ def simulator_prefers_rows(on: bool = True) -> None:
     _STATE["sim_rows"] = bool(on)
 
 
-def _max_blocks(threads: int) -> int:
-    """Blocks of a persistent grid: enough for every SM to hold as many as fit (2 in the
-    simulator, so tests cover the grid-stride loop)."""
-    if SIMULATOR:
-        return 2
-    return sm_count() * max(1, 1024 // threads)  # best of 4 / 8 / 16 x 128 threads
+def _wave(kern, args, threads: int, rows: int) -> int:
+    """Blocks a grid row of the persistent decode kernel gets: one wave of the compiled kernel
+    over all ``rows`` grid rows (2 in the simulator: tests reach the grid-stride loop). With ids
+    (the grouped attn_output_a: 8 rows of x, 8 weights) each row's blocks then stream several
+    row groups and load their slice of x once for them (a block per row group read as many x
+    bytes from L2 as weight bytes: 32.5 µs for the 35.6 MB out_a, ncu 2026-12-02)."""
+    return max(1, resident_blocks(kern, args, threads, simulated=2 * rows) // rows)
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None):
@@ -695,9 +711,9 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
     elif method == "naive":
         kern.naive[(N, T), threads or 128, stream](out, w.planes[0], ws, x, ids_arg, per_token, K)
     elif method == "rows":
-        nt = threads or 128
-        _ROWS[ty.qtype][(cdiv(N, nt), T), nt, stream](out, w.planes[0], ws, x, ids_arg,
-                                                       per_token, K)
+        nt = threads or (32 if SIMULATOR else 128)
+        blocks = 1 if SIMULATOR else cdiv(N, nt)  # (simulator: striding, fewer Python threads)
+        _ROWS[ty.qtype][(blocks, T), nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, K)
     elif method in ("decode", "dp4a"):
         cpl, R = _decode_shape(ty, B)  # Q8_0 at B = 1: (2, 4), the dp4a kernel's shape too
         nchunk = K // EC
@@ -706,19 +722,16 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         assert K % EC == 0 and span <= 32 * cpl and wk_n <= 32, (K, wk_n)
         wr_n = max(1, (threads or 128) // (32 * wk_n))
         nt = 32 * wk_n * wr_n
-        # one persistent wave over all grid rows: with ids (the grouped attn_output_a: 8 rows
-        # of x, 8 weights) each row's blocks share the GPU, so each streams several row groups
-        # and loads its slice of x once for them (a block per row group read as many x bytes
-        # from L2 as weight bytes: 32.5 µs for the 35.6 MB out_a, ncu 2026-12-02)
-        grid = (min(cdiv(N, wr_n * R), max(1, _max_blocks(nt) // (T // B))), T // B)
-        if auto and kern.dp4a is not None and B == 1 and cdiv(N, wr_n * R) > grid[0]:
-            method = "dp4a"  # see DP4A_WHEN
+        groups, rows = cdiv(N, wr_n * R), T // B
+        k = kern.decode[B]
+        args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span)
+        if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
+            method = "dp4a"
         if method == "dp4a":  # x -> int8 limbs once, then the GEMV (two launches)
             xl = stream_buffer("q8_0 x limbs", stream, (T, nchunk * XLW), np.int32)
             _q8_0_x_limbs[cdiv(T * nchunk, 128), 128, stream](xl, x)
-            x = xl
-        k = kern.dp4a if method == "dp4a" else kern.decode[B]
-        k[grid, nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span)
+            k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
+        k[(min(groups, _wave(k, args, nt, rows)), rows), nt, stream](*args)
     else:
         nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
         tnt = 1 << (nt.bit_length() // 2)  # 256 threads: 16 x 16 -> 128 rows x 128 tokens

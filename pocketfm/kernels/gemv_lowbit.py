@@ -67,7 +67,8 @@ from .. import ops, quants
 from ..quants import GGMLType
 from . import device
 from .bench import BenchCase
-from .device import SIMULATOR, block_sum, cdiv, kernel, stream_buffer, xor_shfl
+from .device import (SIMULATOR, block_sum, cdiv, kernel, resident_blocks, stream_buffer,
+                     xor_shfl)
 from .lowbit_layout import (GRID_REPS, IQ2_TABLE_WORDS, SIGN_REPS, _GRID_NEG_U64, _GRID_U64,
                             _SIGN_U64, _f32_bits, _iq2_xxs_dot, _iq2_xxs_elem, _iq2_xxs_word,
                             _iq2_xxs_xcol, _ld_u64x2, _mxfp4_dot, _mxfp4_elem, _mxfp4_word,
@@ -448,7 +449,6 @@ SPECS = {s.qtype: s for s in (_Q2_K, _Q4_K, _IQ2_XXS, _MXFP4)}
 
 # ---- launchers ---------------------------------------------------------------------------------
 _NO_IDS = []  # the 1-element dummy ids array ([0]: every token uses expert 0), made once
-_RESIDENT = {}  # (type, threads) -> decode blocks the whole GPU holds at once
 
 
 _FLOAT_X = []  # non-empty: decode through the float block-per-row kernel (float32 x)
@@ -464,21 +464,6 @@ def _no_ids():
     if not _NO_IDS:
         _NO_IDS.append(cuda.to_device(np.zeros(1, np.int32)))
     return _NO_IDS[0]
-
-
-def _resident_blocks(spec: _Spec, nt: int, args) -> int:
-    """Blocks of ``nt`` threads of the compiled decode kernel resident on the GPU at once (its
-    registers and shared memory decide), so that the decode grid is exactly one wave: every
-    block starts streaming at once, and none waits for a second round."""
-    key = (spec.name, nt)
-    if key not in _RESIDENT:
-        if SIMULATOR:
-            _RESIDENT[key] = 8  # any small number: enough blocks to test the row split
-        else:
-            from numba import typeof
-            kern = spec.decode.compile(tuple(typeof(a) for a in args))
-            _RESIDENT[key] = kern.max_cooperative_grid_blocks(nt)
-    return _RESIDENT[key]
 
 
 def _pow2_floor(v: int) -> int:
@@ -521,7 +506,8 @@ def _decode(spec: _Spec, out, w: QWeight, slots, ids_arr, nt: int, stream) -> No
     T, N = out.shape
     K = 4 * slots[0].shape[1]
     args = (out, w.planes, *slots, ids_arr, 0)
-    rows_per_block, grid = decode_config(spec, T, N, K, nt, _resident_blocks(spec, nt, args))
+    resident = resident_blocks(spec.decode, args, nt, simulated=8)  # (simulator: a row split)
+    rows_per_block, grid = decode_config(spec, T, N, K, nt, resident)
     spec.decode[grid, nt, stream](*args[:-1], rows_per_block)
 
 

@@ -268,26 +268,11 @@ def _scorer_kernels(HI: int, DI: int, NT: int):
     return _SCORERS[key]
 
 
-_RESIDENT: dict = {}
-
-
-def resident_blocks(kern, args, nt: int, smem: int) -> int:
-    """How many blocks of ``kern`` (for these arguments) the whole GPU holds at once."""
-    key = (kern, nt, smem)
-    if key not in _RESIDENT:
-        if device.SIMULATOR:
-            _RESIDENT[key] = 4
-        else:
-            compiled = kern.compile(tuple(kern.typeof_pyval(a) for a in args))
-            _RESIDENT[key] = compiled.max_cooperative_grid_blocks(nt, smem)
-    return _RESIDENT[key]
-
-
 def _tile_grid(kern, args, HI: int, N: int, nt: int, smem: int) -> int:
     """Persistent grid of the register-tile scorer: every block stages q once, then walks
     tiles; no more blocks than fit at once (more would only add q staging and a tail)."""
     tile = nt // (HI // HT) * KT
-    return max(1, min(cdiv(N, tile), resident_blocks(kern, args, nt, smem)))
+    return max(1, min(cdiv(N, tile), device.resident_blocks(kern, args, nt, smem)))
 
 
 def _tile_smem(HI: int, DI: int, nt: int) -> int:

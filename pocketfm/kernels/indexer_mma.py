@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .device import SIMULATOR, cdiv, kernel, xor_shfl
+from .device import SIMULATOR, cdiv, kernel, resident_blocks, xor_shfl
 from .gemv import _bits_f32
 from .mma import _mma_bf16, _split_pair
 
@@ -183,11 +183,6 @@ def _kernels(DI: int):
     return _KERNELS[DI]
 
 
-def _resident(kern, args, nt: int) -> int:
-    from .indexer import resident_blocks  # (indexer.py dispatches to this module)
-    return resident_blocks(kern, args, nt, 0)
-
-
 def indexer_scores_mma(out, q, w, keys_packed, n_visible, stream=0) -> None:
     """Decode form (indexer.indexer_scores' arguments): out[N] f32 <- q[HI, DI], w[HI],
     keys_packed[Ncap, bytes] uint8, n_visible[1] int32."""
@@ -196,7 +191,7 @@ def indexer_scores_mma(out, q, w, keys_packed, n_visible, stream=0) -> None:
     kern = _kernels(DI)[0]
     args = (out, q, w, keys_packed.view(np.uint32), keys_packed, n_visible)
     nt = 2 * HI
-    grid = max(1, min(cdiv(out.shape[0], STEP_KEYS), _resident(kern, args, nt)))
+    grid = max(1, min(cdiv(out.shape[0], STEP_KEYS), resident_blocks(kern, args, nt)))
     kern[grid, nt, stream](*args)
 
 
@@ -207,7 +202,8 @@ def indexer_scores_chunk_mma(out, q, w, keys_packed, n_visible, stream=0) -> Non
     kern = _kernels(DI)[1]
     args = (out, q, w, keys_packed.view(np.uint32), keys_packed, n_visible)
     nt = 2 * HI
-    per_token = max(1, min(cdiv(out.shape[1], STEP_KEYS), cdiv(_resident(kern, args, nt), T)))
+    resident = resident_blocks(kern, args, nt)
+    per_token = max(1, min(cdiv(out.shape[1], STEP_KEYS), cdiv(resident, T)))
     kern[(per_token, T), nt, stream](*args)
 
 

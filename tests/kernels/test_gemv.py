@@ -60,7 +60,7 @@ def test_bf16_accepts_uint16_raw():
 # (method, E, N, K, T, ids, split_k): every kernel, expert-indexed or not, odd sizes
 RUNS = [
     ("naive", 3, 6, 64, 2, True, None),
-    ("rows", 3, 37, 64, 2, True, None),  # thread per row: two blocks, a partial one
+    ("rows", 3, 37, 64, 2, True, None),  # thread per row (simulator: 32 threads stride 37 rows)
     ("rows", 1, 9, 96, 3, False, None),
     ("decode", 1, 7, 256, 1, False, 2),  # split-K across 2 warps: the shared-memory sum
     ("decode", 1, 23, 128, 2, False, None),  # more row groups than blocks: grid-stride loop
