@@ -121,8 +121,8 @@ class DecodeEngine:
         self.n_prompt = 0
         self.mem = None  # engine/memory.py: the Memory Indexer's resident set, when attached
         # The simulator runs each thread as a Python thread: small blocks, thread-per-row GEMVs
-        # and the serial forms of the norm / RoPE / HC / Hadamard kernels (their fast forms have
-        # their own tests) keep a simulated step in seconds. On a GPU every launcher picks its
+        # and the serial forms of the norm / RoPE / HC / Hadamard / attention kernels (their fast
+        # forms have their own tests) keep a simulated step in seconds. On a GPU every launcher picks its
         # own shape and the fast kernels.
         self.nt = 32 if device.SIMULATOR else None
         self.sim = {"naive": True} if device.SIMULATOR else {}
@@ -262,15 +262,15 @@ class DecodeEngine:
                 comp, sel = self.swap.attention_source(i, self.sel, s)
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel,
                              self.n_comp[c.ratio], 0, L.sinks, scale, stream=s, threads=nt,
-                             out_rope=back)
+                             out_rope=back, **sim)
         elif c.ratio:  # HCA: every emitted entry
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, c.comp,
                              self.no_sel, self.n_comp[c.ratio], 1, L.sinks, scale, stream=s,
-                             threads=nt, out_rope=back)
+                             threads=nt, out_rope=back, **sim)
         else:
             attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, self.no_comp,
                              self.no_sel, self.zero_count, 0, L.sinks, scale, stream=s, threads=nt,
-                             out_rope=back)
+                             out_rope=back, **sim)
         G = cfg.o_groups
         gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
