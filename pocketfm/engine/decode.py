@@ -228,7 +228,7 @@ class DecodeEngine:
         gemv(self.kv, L.kv, u, None, s2, threads=nt)
         kv3 = self.kv.reshape(1, 1, K)
         rmsnorm_rope(kv3, kv3, L.kv_norm, eps, True, self.pos, L.freqs, s2, threads=nt, **sim)
-        kv_pack(self.kv_row, self.kv, R, stream=s2, threads=nt)  # FP8 + the 584 B entry
+        kv_pack(self.kv_row, self.kv, R, stream=s2, threads=nt, **sim)  # FP8 + the 584 B entry
         sk.store_row(c.window, self.kv_row, self.meta, s2)
         if c.ratio:
             a, g = self.comp_in[c.state_kv.shape[1]]

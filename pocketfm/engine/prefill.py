@@ -123,13 +123,19 @@ class ChunkPrefill:
             self._attention(i, T, a, b)
             self._ffn(i, T, tokens, b, a)
 
+    def _hc_mix(self, T: int):
+        """HC pre's mix workspace: the mix as one GEMM over the chunk. None in the simulator,
+        whose engine takes the serial HC kernel (a thread per token; the GEMM path and its
+        finish kernel have their own simulator tests)."""
+        return None if self.eng.sim else self.hc_mix[:T]
+
     def _attention(self, i: int, T: int, X, X_out) -> None:
         eng, cfg, s = self.eng, self.cfg, self.eng.stream
         L, c, nt, sim = eng.w.layers[i], eng.caches[i], eng.nt, eng.sim
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u, cq, q, kv = self.u[:T], self.cq[:T], self.q[:T], self.kv[:T]
         hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_attn, eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt, mix=self.hc_mix[:T])
+               cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
         rmsnorm(u, self.u_in[:T], L.attn_norm, eps, True, s, threads=nt, **sim)
         gemv(cq, L.q_a, u, None, s, threads=nt)
         rmsnorm(cq, cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
@@ -142,7 +148,7 @@ class ChunkPrefill:
         kv3 = kv.reshape(T, 1, K)
         rope(kv3, kv3, self.pos, L.freqs, False, s, threads=nt, **sim)
         rows = self.kv_rows[:T]
-        kv_pack(rows, kv, R, stream=s, threads=nt)  # the chunk's own 584 B entries
+        kv_pack(rows, kv, R, stream=s, threads=nt, **sim)  # the chunk's own 584 B entries
         comp = eng.comp_of(i)  # (KV swap: the CSA layers' rows of the host pool)
         if c.ratio:  # every block the chunk completes lands in comp before attention reads it
             a, g = (x[:T] for x in self.comp_in[c.state_kv.shape[1]])
@@ -229,7 +235,7 @@ class ChunkPrefill:
         L, nt, sim, k = eng.w.layers[i], eng.nt, eng.sim, cfg.n_experts_used
         v = self.u[:T]
         hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_ffn, cfg.rms_eps,
-               cfg.hc_eps, cfg.hc_iters, s, threads=nt, mix=self.hc_mix[:T])
+               cfg.hc_eps, cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
         rmsnorm(v, self.u_in[:T], L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         ids, w = self.route_ids[:T], self.route_w[:T]
         gemv(self.router[:T], L.router, v, None, s, threads=nt)
