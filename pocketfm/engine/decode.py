@@ -122,8 +122,8 @@ class DecodeEngine:
         self.mem = None  # engine/memory.py: the Memory Indexer's resident set, when attached
         # The simulator runs each thread as a Python thread: small blocks, thread-per-row GEMVs
         # and the serial forms of the norm / RoPE / HC / Hadamard / attention kernels (their fast
-        # forms have their own tests) keep a simulated step in seconds. On a GPU every launcher picks its
-        # own shape and the fast kernels.
+        # forms have their own tests) keep a simulated step in seconds. On a GPU every launcher
+        # picks its own shape and the fast kernels.
         self.nt = 32 if device.SIMULATOR else None
         self.sim = {"naive": True} if device.SIMULATOR else {}
         # independent parts of a step run on other streams: concurrent branches of the captured

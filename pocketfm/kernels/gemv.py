@@ -266,11 +266,15 @@ def _named(fn, name, **opts):
     return kernel(fn, **opts)
 
 
+def _plain_dq(ty: _Type):
+    """The type's dequant helper; in the simulator its plain Python function (the simulator's
+    device-call wrapper costs more than the helper itself, once per weight element)."""
+    return ty.dq.py_func if SIMULATOR else ty.dq
+
+
 def _thread_per_row_kernel(ty: _Type):
-    EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
+    EPW, SB, dq = ty.epw, max(1, ty.sblock), _plain_dq(ty)
     HAS_SCALE = ty.sblock > 0
-    if SIMULATOR:
-        dq = dq.py_func  # a plain call: the simulator's device-call wrapper costs more than it
 
     def k(out, wq, ws, x, ids, per_token, K):
         # grid (blocks, T): a thread per output element at a time, serial over its row, striding
@@ -290,10 +294,8 @@ def _thread_per_row_kernel(ty: _Type):
 
 
 def _naive_kernel(ty: _Type):
-    EPW, SB, dq = ty.epw, max(1, ty.sblock), ty.dq
+    EPW, SB, dq = ty.epw, max(1, ty.sblock), _plain_dq(ty)
     HAS_SCALE = ty.sblock > 0
-    if SIMULATOR:
-        dq = dq.py_func  # a plain call: the simulator's device-call wrapper costs more than it
 
     def k(out, wq, ws, x, ids, per_token, K):
         # grid (N, T): one block per output element; threads stride over the row's words
