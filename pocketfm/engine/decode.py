@@ -313,9 +313,9 @@ class DecodeEngine:
             indexer_scores(scores, q, w, c.index_keys, n, stream=s, threads=nt)
         if self.mem is not None:  # top-k inside the Memory Indexer's resident set
             self.mem.mask_scores(scores, s)
+        # the picks in ascending order: attention sums them in list order, so a run repeats
         topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt)
-        sk.sort_selected(self.sel.reshape(1, cfg.index_topk), s)  # a repeatable order
-        if self.mem is not None:  # (after the sort: the global set comes sorted already)
+        if self.mem is not None:  # (the global set comes in ascending order too)
             self.mem.drop_selected(self.sel, s)
 
     def _ffn(self, i: int, X, X_out) -> None:

@@ -111,8 +111,7 @@ class EngineMemory:
         how = ENSEMBLE_MEAN if self.memory.sel.ensemble == "mean" else ENSEMBLE_MAX
         ensemble(self.e, self.z, n, how, stream)
         topk(self.gsel.reshape(k), self.e, n, k, stream=stream, threads=threads,
-             work=self.topk_work)
-        sk.sort_selected(self.gsel, stream)
+             work=self.topk_work)  # (ascending: as the native top-k's)
         sk.flag_after_prompt(self.g_active, eng.meta, stream)
 
     # ---- between replays ----------------------------------------------------------------------

@@ -342,9 +342,10 @@ def flag_after_prompt(flag, meta, stream=0) -> None:
 
 
 def sort_selected(sel, stream=0) -> None:
-    """sel int32 [T, k] (k <= 1024): every row in ascending order, pads last. The top-k kernels
-    write their picks in atomic-counter order, which varies from run to run; attention sums
-    the picks in list order, so sorting them makes a run repeat bit for bit."""
+    """sel int32 [T, k] (k <= 1024): every row in ascending order, pads last. The prefill's
+    top-k kernel writes its picks in atomic-counter order, which varies from run to run;
+    attention sums the picks in list order, so sorting them makes a run repeat bit for bit.
+    (The decode top-k writes them in ascending order itself.)"""
     T, k = sel.shape
     if k > SORT_MAX:
         raise ValueError(f"sort_selected: rows of {k} > {SORT_MAX}")

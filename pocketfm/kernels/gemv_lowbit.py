@@ -38,8 +38,10 @@ Kernels per type ``<t>`` (the launcher picks by T):
   rows (16-byte ld.global.nc), then loads its slot's x into registers. Rows stream past R_ROWS
   at a time, the next step's loads issued before this step's math; codes become int8 in
   registers and meet x in ``dp4a`` (4 multiply-adds per integer instruction: the float pipe is
-  not the limit). IQ2_XXS takes its grid rows (and their negations) and sign masks from shared
-  memory, in copies that spread a half-warp's lookups over the banks. Per-row sums: xor
+  not the limit). IQ2_XXS takes its grid rows from shared memory, in copies that
+  spread a half-warp's lookups over the banks, and makes the signs in registers. Each slot's
+  scales (``<t>_aux``) are loaded just before its dot, or (``aux_ahead``) a step ahead with
+  its quant words, whichever measured faster for the type. Per-row sums: xor
   butterfly in the warp, then shared memory. The grid is one wave (blocks resident at once,
   from the compiled kernel's occupancy).
   Accuracy: x carries 15 bits per slot, |error| <= 1.6e-5 · max|x| over the slot (float32 x
@@ -69,10 +71,10 @@ from . import device
 from .bench import BenchCase
 from .device import (SIMULATOR, block_sum, cdiv, kernel, resident_blocks, stream_buffer,
                      xor_shfl)
-from .lowbit_layout import (GRID_REPS, IQ2_TABLE_WORDS, SIGN_REPS, _GRID_NEG_U64, _GRID_U64,
-                            _SIGN_U64, _f32_bits, _iq2_xxs_dot, _iq2_xxs_elem, _iq2_xxs_word,
-                            _iq2_xxs_xcol, _ld_u64x2, _mxfp4_dot, _mxfp4_elem, _mxfp4_word,
-                            _mxfp4_xcol, _q2_k_dot, _q2_k_elem, _q2_k_word, _q2_k_xcol,
+from .lowbit_layout import (GRID_REPS, IQ2_TABLE_WORDS, _GRID_U64, _f32_bits, _iq2_xxs_aux,
+                            _iq2_xxs_dot, _iq2_xxs_elem, _iq2_xxs_word, _iq2_xxs_xcol, _ld_u64x2,
+                            _mxfp4_aux, _mxfp4_dot, _mxfp4_elem, _mxfp4_word, _mxfp4_xcol,
+                            _q2_k_aux, _q2_k_dot, _q2_k_elem, _q2_k_word, _q2_k_xcol, _q4_k_aux,
                             _q4_k_dot, _q4_k_elem, _q4_k_word, _q4_k_xcol, pack_iq2_xxs,
                             pack_mxfp4, pack_q2_k, pack_q4_k, unpack_iq2_xxs, unpack_mxfp4,
                             unpack_q2_k, unpack_q4_k)
@@ -264,10 +266,9 @@ def _x_slots_kernel(xcol, slot_cols):
     return kernel(prepare_x_slots), kernel(prepare_x_slots_swiglu)
 
 
-def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
+def _dp4a_slots_kernel(aux, dot, slot_cols, table_words, aux_ahead, **jit_opts):
     xw = slot_cols // 4  # x words per slot (4 columns each)
     runs = max(xw // 4, 1)  # 16-column runs per slot (the K-quant sub-blocks)
-    grid_words = 2 * GRID_REPS * 256
 
     def gemv_dp4a_slots(out, planes, xq, xsum, xs, ids, rows_per_block):
         # grid (row blocks, T); thread t = slot * rs + row lane: the rs lanes of a slot take rs
@@ -289,12 +290,19 @@ def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
         row0 = cuda.blockIdx.x * rows_per_block
         nrows = min(rows_per_block, N - row0)
         step = rs * R_ROWS
-        # The first step's weights are requested before anything else, so the DRAM latency
-        # overlaps the x loads below; each later step is requested a step ahead.
+        # The first step's weights (quant words, and with aux_ahead the scales) are requested
+        # before anything else, so the DRAM latency overlaps the x loads below; each later step
+        # is requested a step ahead.
         wa = cuda.local.array(R_ROWS, uint64)
         wb = cuda.local.array(R_ROWS, uint64)
+        au = cuda.local.array(R_ROWS, uint32)
+        af = cuda.local.array(R_ROWS, float32)
+        ag = cuda.local.array(R_ROWS, float32)
         for r in range(R_ROWS):
-            wa[r], wb[r] = _ld_u64x2(qs, e, row0 + min(r * rs + rl, nrows - 1), 2 * sl)
+            n = row0 + min(r * rs + rl, nrows - 1)
+            wa[r], wb[r] = _ld_u64x2(qs, e, n, 2 * sl)
+            if aux_ahead:
+                au[r], af[r], ag[r] = aux(planes, e, n, sl)
         tab = cuda.shared.array(table_words, uint64)  # the IQ2_XXS tables
         red = cuda.shared.array(RED_FLOATS, float32)
         xch = cuda.shared.array(XCH_FLOATS, float32)
@@ -310,16 +318,10 @@ def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
         for k in range(runs):
             xsl[k] = xsum[bx, sl * runs + k]
         xsc = xs[bx, sl]
-        if table_words > 1:  # IQ2_XXS: (g, -g) grid rows and sign masks
-            grid_p = cuda.const.array_like(_GRID_U64)
-            grid_n = cuda.const.array_like(_GRID_NEG_U64)
-            sign_c = cuda.const.array_like(_SIGN_U64)
+        if table_words > 1:  # IQ2_XXS: the grid rows, GRID_REPS copies
+            grid = cuda.const.array_like(_GRID_U64)
             for i in range(t, table_words, nt):
-                if i < grid_words:
-                    j = i // (2 * GRID_REPS)
-                    tab[i] = grid_n[j] if i & 1 else grid_p[j]
-                else:
-                    tab[i] = sign_c[(i - grid_words) // SIGN_REPS]
+                tab[i] = grid[i // GRID_REPS]
             cuda.syncthreads()
 
         # 2. Rows stream past, R_ROWS 16-byte loads in flight per lane: the next step's are
@@ -327,18 +329,29 @@ def _dp4a_slots_kernel(dot, slot_cols, table_words, **jit_opts):
         # block barrier until the end).
         na = cuda.local.array(R_ROWS, uint64)
         nb = cuda.local.array(R_ROWS, uint64)
+        nu = cuda.local.array(R_ROWS, uint32)
+        nf = cuda.local.array(R_ROWS, float32)
+        ng = cuda.local.array(R_ROWS, float32)
         part = cuda.local.array(R_ROWS, float32)
         for r0 in range(0, nrows, step):
             if r0 + step < nrows:  # the same for the whole block
                 for r in range(R_ROWS):
-                    na[r], nb[r] = _ld_u64x2(qs, e, row0 + min(r0 + step + r * rs + rl,
-                                                               nrows - 1), 2 * sl)
+                    n = row0 + min(r0 + step + r * rs + rl, nrows - 1)
+                    na[r], nb[r] = _ld_u64x2(qs, e, n, 2 * sl)
+                    if aux_ahead:
+                        nu[r], nf[r], ng[r] = aux(planes, e, n, sl)
             for r in range(R_ROWS):
-                n = row0 + min(r0 + r * rs + rl, nrows - 1)
-                part[r] = dot(planes, e, n, sl, wa[r], wb[r], xh, xl, xsl, tab, lane) * xsc
+                if not aux_ahead:
+                    au[r], af[r], ag[r] = aux(planes, e, row0 + min(r0 + r * rs + rl, nrows - 1),
+                                              sl)
+                part[r] = dot(au[r], af[r], ag[r], wa[r], wb[r], xh, xl, xsl, tab, lane) * xsc
             for r in range(R_ROWS):
                 wa[r] = na[r]
                 wb[r] = nb[r]
+                if aux_ahead:
+                    au[r] = nu[r]
+                    af[r] = nf[r]
+                    ag[r] = ng[r]
             _slot_sums(part, rs, xch)
             if lane < rs:
                 for r in range(R_ROWS):
@@ -417,9 +430,10 @@ class _Spec(NamedTuple):
 _DECODE_JIT = {} if SIMULATOR else {"shared_memory_carveout": "MaxShared"}
 
 
-def _spec(name, qtype, slot_cols, elem, xcol, dot, word, table_words=1) -> _Spec:
+def _spec(name, qtype, slot_cols, elem, xcol, aux, dot, word, aux_ahead: bool,
+          table_words=1) -> _Spec:
     naive = _block_per_row_kernel(elem)
-    decode = _dp4a_slots_kernel(dot, slot_cols, table_words, **_DECODE_JIT)
+    decode = _dp4a_slots_kernel(aux, dot, slot_cols, table_words, aux_ahead, **_DECODE_JIT)
     gemm = _smem_tiles_kernel(word)
     prep, prep_swiglu = _x_slots_kernel(xcol, slot_cols)
     for k, kname in ((naive, f"_gemv_{name}_block_per_row"), (decode, f"_gemv_{name}_dp4a_slots"),
@@ -429,11 +443,18 @@ def _spec(name, qtype, slot_cols, elem, xcol, dot, word, table_words=1) -> _Spec
     return _Spec(name, qtype, slot_cols, naive, decode, gemm, prep, prep_swiglu)
 
 
-_Q2_K = _spec("q2_k", GGMLType.Q2_K, 64, _q2_k_elem, _q2_k_xcol, _q2_k_dot, _q2_k_word)
-_Q4_K = _spec("q4_k", GGMLType.Q4_K, 32, _q4_k_elem, _q4_k_xcol, _q4_k_dot, _q4_k_word)
-_IQ2_XXS = _spec("iq2_xxs", GGMLType.IQ2_XXS, 64, _iq2_xxs_elem, _iq2_xxs_xcol, _iq2_xxs_dot,
-                 _iq2_xxs_word, table_words=IQ2_TABLE_WORDS)
-_MXFP4 = _spec("mxfp4", GGMLType.MXFP4, 32, _mxfp4_elem, _mxfp4_xcol, _mxfp4_dot, _mxfp4_word)
+# aux_ahead: the slot's scales requested a step ahead with its quant words, or just before its
+# dot. Measured on the H200 (6 of 256 experts, graphs of 16; BENCHMARKS 2026-12-02 (e)): ahead
+# is slower for Q2_K / Q4_K / IQ2_XXS (15.2 / 21.8 / 18.7 µs against 16.8 / 24.1 / 20.5: more
+# registers live across the step), faster for MXFP4 (26.0 against 27.4).
+_Q2_K = _spec("q2_k", GGMLType.Q2_K, 64, _q2_k_elem, _q2_k_xcol, _q2_k_aux, _q2_k_dot,
+               _q2_k_word, aux_ahead=False)
+_Q4_K = _spec("q4_k", GGMLType.Q4_K, 32, _q4_k_elem, _q4_k_xcol, _q4_k_aux, _q4_k_dot,
+               _q4_k_word, aux_ahead=False)
+_IQ2_XXS = _spec("iq2_xxs", GGMLType.IQ2_XXS, 64, _iq2_xxs_elem, _iq2_xxs_xcol, _iq2_xxs_aux,
+                 _iq2_xxs_dot, _iq2_xxs_word, table_words=IQ2_TABLE_WORDS, aux_ahead=False)
+_MXFP4 = _spec("mxfp4", GGMLType.MXFP4, 32, _mxfp4_elem, _mxfp4_xcol, _mxfp4_aux, _mxfp4_dot,
+               _mxfp4_word, aux_ahead=True)
 SPECS = {s.qtype: s for s in (_Q2_K, _Q4_K, _IQ2_XXS, _MXFP4)}
 
 # Named per kernel for readers and profilers (the factories above build one of each per type).

@@ -1,7 +1,7 @@
 """Lightning indexer on the GPU (spec §4.7): scores over the packed FP4 keys, then top-k.
 
     indexer_scores   out[N]     = Σ_h w[h] · ReLU(q[h] · key_j)  for j < n_visible, else -inf
-    topk             out_idx[k] = the k best j < n_visible (ties: lowest index; -1 pads)
+    topk             out_idx[k] = the k best j < n_visible, ascending (ties: lowest index; -1 pads)
     topk_chunk       out_idx[T, k] = topk of row t of scores[T, N] among its n_visible[t]
 
 Keys are the 68-byte FP4 records of kvpack.py (DI = 128: 64 bytes of e2m1 nibbles, 4 ue8m0
@@ -354,16 +354,23 @@ def _topk_rank(out_idx, scores, n_visible):
 # ---- top-k: radix select in one launch ------------------------------------------------------
 # The float's bits map to an unsigned key with the same order (negative: all bits flipped,
 # otherwise the sign bit set). Three histogram passes over 11/11/10-bit digits, each counting
-# only entries whose higher digits equal the k-th largest key's, pin that key exactly; then
-# entries above it are written through an atomic counter and entries equal to it by rank in
-# index order. Grid-wide barriers separate the phases (numba's cooperative-groups grid sync
-# cannot be compiled without a driver, so CI lane B could not check it; this is the same
+# only entries whose higher digits equal the k-th largest key's, pin that key exactly (two
+# passes when no scores tie there). The picks are then written in index order, so the list
+# needs no sort: block b owns entries [lo, hi) (index order is block order), counts its entries
+# above the key and equal to it, and after a grid barrier each block starts at the number of
+# picks in the blocks before it. Of the entries equal to the key the first ``need`` in index
+# order are picks (the tie rule); within a block, a scan of per-thread counts ranks them.
+# Grid-wide barriers separate the phases (numba's cooperative-groups grid sync cannot be
+# compiled without a driver, so CI lane B could not check it; this is the same
 # counter-and-generation barrier). Every block redundantly scans the global histogram, so no
-# extra phase is needed to publish the chosen digit.
+# extra phase is needed to publish the chosen digit. The histograms start zeroed (the
+# workspace is made zeroed) and are zeroed again by block 0 once every block has read them,
+# so no barrier is spent clearing them at the start.
 _HIST = 1 << RADIX_BITS
-_WS_EQ = 3 * _HIST  # per-block counts of entries equal to the threshold (<= 1024 blocks)
-_WS_GT = _WS_EQ + 1024  # counter of the slots taken by entries above the threshold
-_WS_BAR = _WS_GT + 1  # barrier: arrivals, generation (never cleared by the kernel)
+_MAX_BLOCKS = 1024
+_WS_GT = 3 * _HIST  # per-block counts of entries above the threshold key
+_WS_EQ = _WS_GT + _MAX_BLOCKS  # ... and equal to it
+_WS_BAR = _WS_EQ + _MAX_BLOCKS  # barrier: arrivals, generation (never cleared by the kernel)
 _WS_LEN = _WS_BAR + 2
 
 
@@ -439,9 +446,88 @@ def _pick_digit(h, base, nb, need, buf, found):
     cuda.syncthreads()
 
 
+_PER_THREAD = 4  # write-out: consecutive entries a thread owns per pass (one 16-byte load)
+_XCH = 1024 if device.SIMULATOR else 1  # the simulator's shuffle scratch (floats, blockDim)
+
+
+@_inline
+def _span_scan(v, wsum, xch):
+    """(inclusive prefix sum of the int ``v`` over the block, the block's total): xor
+    butterflies within each warp (no barrier on a GPU), the warps' totals through ``wsum``
+    (int32[32]), two barriers. Every thread must call it (blockDim a multiple of 32); ``xch``
+    is the simulator's shuffle scratch (exact: the packed counts stay below 2^24 there)."""
+    tid = cuda.threadIdx.x
+    lane = tid & 31
+    incl = v
+    tot = v  # after step ``off``: the total of this lane's group of 2 * off lanes
+    off = 1
+    while off < 32:
+        y = int(device.xor_shfl(int32(tot), off, xch))
+        if lane & off:
+            incl += y  # the lower half of the group comes before this lane
+        tot += y
+        off *= 2
+    if lane == 0:
+        wsum[tid >> 5] = tot
+    cuda.syncthreads()
+    before = 0
+    total = 0
+    for w in range(cuda.blockDim.x >> 5):
+        x = wsum[w]
+        if w < tid >> 5:
+            before += x
+        total += x
+    cuda.syncthreads()  # every thread has read wsum before the next call writes it
+    return incl + before, total
+
+
+@_inline
+def _picks4(bits, j, hi, prefix, pmask):
+    """Entries j .. j+3 (< hi) against the threshold: (count above it + count equal to it
+    << 16, a bit per entry above, a bit per entry equal)."""
+    gt = 0
+    eq = 0
+    for i in range(_PER_THREAD):
+        if j + i < hi:
+            u = _order_key(bits[j + i]) & pmask
+            if u > prefix:
+                gt |= 1 << i
+            elif u == prefix:
+                eq |= 1 << i
+    return cuda.popc(gt) + (cuda.popc(eq) << 16), gt, eq
+
+
+@_inline
+def _scan_span(bits, j0, hi, prefix, pmask, wsum, xch):
+    """_picks4 of this thread's entries j0 .. j0+3, ranked over the block by _span_scan:
+    (packed count of the span's entries before j0, the span's packed total, gt / eq bits)."""
+    v, gt, eq = _picks4(bits, j0, hi, prefix, pmask)
+    incl, total = _span_scan(v, wsum, xch)
+    return incl - v, total, gt, eq
+
+
+@_inline
+def _write_picks(out, j0, gt, eq, ex, run_gt, run_eq, need):
+    """Write the picks among entries j0 .. j0+3 (bits gt / eq from _picks4) to their places in
+    index order: ``ex`` is the packed count of entries before j0 in this span (exclusive scan),
+    run_gt / run_eq those before the span. An entry above the threshold goes after every pick
+    before it: the entries above it, and of the equal ones at most ``need``."""
+    n_gt = run_gt + (ex & 0xFFFF)
+    n_eq = run_eq + (ex >> 16)
+    for i in range(_PER_THREAD):
+        if gt & (1 << i):
+            out[n_gt + min(need, n_eq)] = j0 + i
+            n_gt += 1
+        elif eq & (1 << i):
+            if n_eq < need:
+                out[n_gt + n_eq] = j0 + i
+            n_eq += 1
+
+
 @device.kernel
 def _topk_radix_select(out_idx, bits, n_visible, ws):
-    """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1]; ws[_WS_LEN] int32 scratch.
+    """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1], in ascending index order;
+    ws[_WS_LEN] int32 scratch, its histograms zero on entry (and on exit).
 
     Every block must be resident at once (grid barriers; the launcher sizes the grid)."""
     k = out_idx.shape[0]
@@ -457,16 +543,14 @@ def _topk_radix_select(out_idx, bits, n_visible, ws):
     hist = cuda.shared.array(_HIST, int32)
     buf = cuda.shared.array(1024, int32)
     found = cuda.shared.array(3, int32)
-    for i in range(cuda.grid(1), _WS_BAR, cuda.gridsize(1)):
-        ws[i] = 0
-    _grid_barrier(ws, G)
+    wsum = cuda.shared.array(32, int32)
+    xch = cuda.shared.array(_XCH, float32)
     chunk = (n + G - 1) // G  # block b owns entries [lo, hi): index order is rank order
     lo = b * chunk
     hi = min(n, lo + chunk)
     prefix = 0
     pmask = 0
     need = k  # how many of the entries matching ``prefix`` still belong to the top k
-    done = False  # the entries matching ``prefix`` are exactly ``need``: all are taken
     for p in range(3):
         shift = 21 - 11 * p if p < 2 else 0
         nb = _HIST if p < 2 else 1024
@@ -490,36 +574,43 @@ def _topk_radix_select(out_idx, bits, n_visible, ws):
         cuda.syncthreads()
         if done:
             break
-    # entries whose digits so far beat prefix are in; ``need`` of those equal to it are too
-    n_eq = 0
-    for j0 in range(lo, hi, nt):
-        j = j0 + tid
-        u = (_order_key(bits[j]) & pmask) if j < hi else -1
-        if u > prefix or (done and u == prefix):
-            out_idx[cuda.atomic.add(ws, _WS_GT, 1)] = j
-        if not done:
-            n_eq += cuda.syncthreads_count(int32(1 if u == prefix else 0))
-    if done:
-        return
+    # entries whose digits so far beat ``prefix`` are picks, and the first ``need`` (in index
+    # order) of those equal to it. Thread t owns _PER_THREAD consecutive entries of each span;
+    # a block scan of (above, equal) counts ranks them, and the counts of the whole range go to
+    # ws for the blocks after this one. One span per block is the usual case (N <= 2,048 per
+    # block): its entries and scan then stay in registers across the grid barrier.
+    span = _PER_THREAD * nt
+    j0 = lo + _PER_THREAD * tid
+    ex, first, gt, eq = _scan_span(bits, j0, hi, prefix, pmask, wsum, xch)
+    n_gt = first & 0xFFFF  # this block's counts
+    n_eq = first >> 16
+    for c0 in range(lo + span, hi, span):  # more spans: their counts only, for now
+        _, last, _, _ = _scan_span(bits, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum, xch)
+        n_gt += last & 0xFFFF
+        n_eq += last >> 16
     if tid == 0:
+        ws[_WS_GT + b] = n_gt
         ws[_WS_EQ + b] = n_eq
+        found[0] = 0
+        found[1] = 0
     _grid_barrier(ws, G)
-    if n_eq == 0:
-        return
-    before = _block_scan(ws[_WS_EQ + tid] if tid < b else 0, buf)  # equal entries in blocks < b
-    if tid == nt - 1:
-        found[0] = before
+    if b == 0:  # every block has read the histograms (before the barrier): clear them
+        for i in range(tid, 3 * _HIST, nt):
+            ws[i] = 0
+    for i in range(tid, b, nt):  # the counts of the blocks before this one
+        cuda.atomic.add(found, 0, ws[_WS_GT + i])
+        cuda.atomic.add(found, 1, ws[_WS_EQ + i])
     cuda.syncthreads()
-    run = int(found[0])
-    for j0 in range(lo, hi, nt):
-        if run >= need:
-            break
-        j = j0 + tid
-        eq = 1 if j < hi and _order_key(bits[j]) == prefix else 0
-        rank = run + _block_scan(eq, buf) - eq
-        if eq == 1 and rank < need:
-            out_idx[k - need + rank] = j
-        run += cuda.syncthreads_count(int32(eq))
+    run_gt = int(found[0])  # block-uniform from here on
+    run_eq = int(found[1])
+    for c0 in range(lo, hi, span):
+        last = first
+        if c0 > lo:  # a later span: its entries and scan again
+            j0 = c0 + _PER_THREAD * tid
+            ex, last, gt, eq = _scan_span(bits, j0, hi, prefix, pmask, wsum, xch)
+        _write_picks(out_idx, j0, gt, eq, ex, run_gt, run_eq, need)
+        run_gt += last & 0xFFFF
+        run_eq += last >> 16
 
 
 def topk_workspace(stream=0):
@@ -535,8 +626,9 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
          work=None, blocks=None) -> None:
     """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
 
-    Order within the selection is arbitrary; ties at the k-th value go to the lowest index;
-    with n_visible <= k the result is 0 .. n_visible-1 padded with -1. ``work`` is a
+    The picks come in ascending index order (the naive kernel: by rank); ties at the k-th
+    value go to the lowest index; with n_visible <= k the result is 0 .. n_visible-1 padded
+    with -1. ``work`` is a
     ``topk_workspace()``; by default one module-wide buffer (calls on one stream only).
     ``blocks``: the grid (benchmarks; default one block per ~4 entries a thread, <= SMs).
     """
@@ -551,7 +643,7 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
         if not _WORKSPACE:
             _WORKSPACE.append(topk_workspace(stream))
         work = _WORKSPACE[0]
-    nt = min(threads or TOPK_THREADS, 1024)
+    nt = max(32, min(threads or TOPK_THREADS, 1024) // 32 * 32)  # whole warps (_span_scan)
     # at most one block per SM, so all are resident for the grid barriers; ~4 entries a thread
     if blocks is None:
         blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
@@ -647,7 +739,8 @@ def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None) -> No
     among j < n_visible[t] (scores[T, N], n_visible[T] int32): the prefill form of ``topk``.
 
     One launch, one block per token; same tie rule and -1 padding as ``topk``, order within a
-    row arbitrary. No workspace and no host sync, so it can be captured in a graph.
+    row arbitrary (the prefill sorts the rows). No workspace and no host sync, so it can be
+    captured in a graph.
     """
     T = scores.shape[0]
     if out_idx.shape != (T, k):

@@ -24,22 +24,18 @@ from ..quants import GGMLType, IQ2_XXSBlock, MXFP4Block, Q2_KBlock, Q4_KBlock
 from .device import SIMULATOR
 from .qweight import QWeight
 
-# Copies of the IQ2_XXS tables in shared memory: lane l reads copy l % REPS, which sits in its own
-# bank pair, so of the 16 lanes of a half-warp (one 8-byte shared load wavefront) at most two
-# share a bank pair. 16 copies would make that one but not fit beside the x staging in 48 KB;
-# on the H200, 8 and 16 grid copies measured the same. Only the index arithmetic matters in the
-# simulator (no banks), where fewer copies keep the table fill cheap.
-GRID_REPS, SIGN_REPS = (2, 2) if SIMULATOR else (8, 8)
-IQ2_TABLE_WORDS = GRID_REPS * 256 * 2 + SIGN_REPS * 128  # uint64 words: (g, -g) pairs, masks
+# Copies of the IQ2_XXS grid in shared memory (16 KB): lane l reads copy l % REPS, which sits in
+# its own bank pair, so of the 16 lanes of a half-warp (one 8-byte shared load wavefront) at most
+# two share a bank pair. On the H200, 8 and 16 copies measured the same. Only the index
+# arithmetic matters in the simulator (no banks), where fewer copies keep the table fill cheap.
+GRID_REPS = 2 if SIMULATOR else 8
+IQ2_TABLE_WORDS = GRID_REPS * 256  # uint64 words: the grid rows' magnitudes
 
 # ---- tables ---------------------------------------------------------------------------------
-# IQ2_XXS grid rows as 8 magnitude bytes (8, 25 or 43) in a little-endian uint64, and for each
-# 7-bit sign index the 8 byte masks (0xFF = negative) after the implied parity bit (quants.py).
+# IQ2_XXS grid rows as 8 magnitude bytes (8, 25 or 43) in a little-endian uint64 (the decode dot
+# applies the signs itself).
 _GRID_F32 = quants.IQ2XXS_GRID  # [256, 8] float32
 _GRID_U64 = quants.IQ2XXS_GRID.astype(np.uint8).view("<u8").reshape(256)
-_GRID_NEG_U64 = (-quants.IQ2XXS_GRID).astype(np.int8).view("<u8").reshape(256)  # -g as int8
-_SIGN_BITS = ((quants.KSIGNS_IQ2XS[:, None] >> np.arange(8)) & 1).astype(np.uint8)  # [128, 8]
-_SIGN_U64 = (_SIGN_BITS * np.uint8(255)).view("<u8").reshape(128)
 _KSIGNS = quants.KSIGNS_IQ2XS  # [128] uint8
 _KVALUES_F32 = quants.KVALUES_MXFP4.astype(np.float32)  # [16] doubled e2m1 values
 # The doubled e2m1 values as int8 bytes: codes 0..7 in (T0, T1), codes 8..15 (negated) in (T2, T3).
@@ -359,9 +355,12 @@ def _mxfp4_word(planes, e, n, c):
 
 # ---- decode slots: the 16 quant bytes a lane owns in each row -----------------------------------
 # A slot is words 2*sl, 2*sl+1 of the row's qs plane (the same for every type). ``<t>_xcol(sl, k)``
-# is the first of the 4 columns that x word k of slot sl pairs with; ``<t>_dot`` takes the two
-# words and the lane's x registers and returns the slot's partial dot product in units of the
-# x scale. Integer sums stay far below 2^31 (bounds beside each).
+# is the first of the 4 columns that x word k of slot sl pairs with. ``<t>_aux(planes, e, n, sl)``
+# loads the rest of what the slot needs from the other planes, as (u, fa, fb): a scale word and
+# two float scales (0 where unused), so that the kernel requests them a step ahead with the quant
+# words instead of waiting on them inside the dot. ``<t>_dot`` takes the two words, the aux and
+# the lane's x registers and returns the slot's partial dot product in units of the x scale.
+# Integer sums stay far below 2^31 (bounds beside each).
 @cuda.jit(device=True)
 def _q2_k_xcol(sl, k):
     # slot sl = super-block sl >> 2, lane slot 2h + u; x word k = 4j + v: columns
@@ -370,9 +369,14 @@ def _q2_k_xcol(sl, k):
 
 
 @cuda.jit(device=True)
-def _q2_k_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
+def _q2_k_aux(planes, e, n, sl):
     qs, sc, dm = planes
-    scw = sc[e, n, sl]
+    s = sl >> 2
+    return sc[e, n, sl], float32(dm[e, n, 2 * s]), float32(dm[e, n, 2 * s + 1])
+
+
+@cuda.jit(device=True)
+def _q2_k_dot(scw, d, dmin, wa, wb, xh, xl, xsum, tab, lane):
     isc = int32(0)  # sum_j sc_j * (x . q)_j   <= 4 * 15 * 16 * 3 * 32767 = 9.4e7
     imn = int32(0)  # sum_j mn_j * sum(x)_j    <= 4 * 15 * 16 * 32767
     for j in range(4):
@@ -385,8 +389,7 @@ def _q2_k_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
         sb = int32((scw >> uint32(8 * j)) & uint32(255))
         isc += (sb & 15) * (hi * 256 + lo)
         imn += (sb >> 4) * xsum[j]
-    s = sl >> 2
-    return float32(dm[e, n, 2 * s]) * float32(isc) - float32(dm[e, n, 2 * s + 1]) * float32(imn)
+    return d * float32(isc) - dmin * float32(imn)
 
 
 @cuda.jit(device=True)
@@ -397,9 +400,14 @@ def _q4_k_xcol(sl, k):
 
 
 @cuda.jit(device=True)
-def _q4_k_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
+def _q4_k_aux(planes, e, n, sl):
     qs, sc, dm = planes
-    scw = sc[e, n, sl >> 1]
+    s = sl >> 3
+    return sc[e, n, sl >> 1], float32(dm[e, n, 2 * s]), float32(dm[e, n, 2 * s + 1])
+
+
+@cuda.jit(device=True)
+def _q4_k_dot(scw, d, dmin, wa, wb, xh, xl, xsum, tab, lane):
     isc = int32(0)  # <= 2 * 63 * 16 * 15 * 32767 = 9.9e8
     imn = int32(0)
     for half in range(2):
@@ -411,8 +419,7 @@ def _q4_k_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
             lo = _dp4a_su(c, xl[4 * half + v], lo)
         isc += int32((scw >> uint32(8 * half)) & uint32(255)) * (hi * 256 + lo)
         imn += int32((scw >> uint32(16 + 8 * half)) & uint32(255)) * xsum[half]
-    s = sl >> 3
-    return float32(dm[e, n, 2 * s]) * float32(isc) - float32(dm[e, n, 2 * s + 1]) * float32(imn)
+    return d * float32(isc) - dmin * float32(imn)
 
 
 @cuda.jit(device=True)
@@ -421,13 +428,20 @@ def _iq2_xxs_xcol(sl, k):
 
 
 @cuda.jit(device=True)
-def _iq2_xxs_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
-    # tab: per grid row (8 copies apart) its magnitudes g and their negations -g as int8 bytes,
-    # then the sign masks m (0xFF = negative); the signed codes are (g & ~m) | (-g & m).
+def _iq2_xxs_aux(planes, e, n, sl):
     qs, d = planes
+    return uint32(0), float32(d[e, n, sl >> 2]), float32(0)
+
+
+@cuda.jit(device=True)
+def _iq2_xxs_dot(u, d, unused, wa, wb, xh, xl, xsum, tab, lane):
+    # tab: the grid rows' magnitude bytes g (8, 25 or 43), GRID_REPS copies apart. The signs are
+    # made in registers (no table: shared-memory lookups were the kernel's main stall): the
+    # 7-bit sign index s gets its parity bit (an even count of minus signs), each half's 4 bits
+    # are spread to the low bit of 4 bytes (x 0x00204081: no two shifted copies overlap, so no
+    # carries), and a byte with its bit set becomes -g = (g ^ 0xFF) + 1 (no carry out: g > 0).
     acc = float32(0)
-    grow = 2 * (lane % GRID_REPS)
-    srow = 2 * GRID_REPS * 256 + lane % SIGN_REPS
+    grow = lane % GRID_REPS
     for g in range(2):
         w = wa if g == 0 else wb
         idx4 = _half(w, 0)
@@ -435,16 +449,16 @@ def _iq2_xxs_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
         hi = int32(0)  # <= 32 * 43 * 128
         lo = int32(0)
         for i in range(4):
-            at = int32((idx4 >> uint32(8 * i)) & uint32(255)) * (2 * GRID_REPS) + grow
-            pos = tab[at]
-            neg = tab[at + 1]
-            sm = tab[int32((sw >> uint32(7 * i)) & uint32(127)) * SIGN_REPS + srow]
+            mag = tab[int32((idx4 >> uint32(8 * i)) & uint32(255)) * GRID_REPS + grow]
+            s7 = (sw >> uint32(7 * i)) & uint32(127)
+            s8 = s7 | ((uint32(cuda.popc(s7)) & uint32(1)) << uint32(7))
             for hh in range(2):
-                m = _half(sm, hh)
-                c = (_half(pos, hh) & ~m) | (_half(neg, hh) & m)
+                bits = uint32((((s8 >> uint32(4 * hh)) & uint32(15)) * uint32(0x00204081))
+                              & uint32(0x01010101))
+                c = uint32((_half(mag, hh) ^ (bits * uint32(255))) + bits)
                 hi = _dp4a_ss(c, xh[8 * g + 2 * i + hh], hi)
                 lo = _dp4a_su(c, xl[8 * g + 2 * i + hh], lo)
-        db = float32(d[e, n, sl >> 2]) * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
+        db = d * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
         acc += db * float32(hi * 256 + lo)
     return acc
 
@@ -455,8 +469,13 @@ def _mxfp4_xcol(sl, k):
 
 
 @cuda.jit(device=True)
-def _mxfp4_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
+def _mxfp4_aux(planes, e, n, sl):
     qs, eb = planes
+    return uint32(0), _mxfp4_scale(eb[e, n, sl]), float32(0)
+
+
+@cuda.jit(device=True)
+def _mxfp4_dot(u, scale, unused, wa, wb, xh, xl, xsum, tab, lane):
     hi = int32(0)  # <= 32 * 12 * 128
     lo = int32(0)
     for half in range(2):
@@ -471,4 +490,4 @@ def _mxfp4_dot(planes, e, n, sl, wa, wb, xh, xl, xsum, tab, lane):
             val = (_prmt(_KV0, _KV1, sel) & ~neg) | (_prmt(_KV2, _KV3, sel) & neg)
             hi = _dp4a_ss(val, xh[4 * half + v], hi)
             lo = _dp4a_su(val, xl[4 * half + v], lo)
-    return _mxfp4_scale(eb[e, n, sl]) * float32(hi * 256 + lo)
+    return scale * float32(hi * 256 + lo)

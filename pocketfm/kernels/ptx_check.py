@@ -1,6 +1,8 @@
 """CI lane B: compile every kernel for sm_90 with ``numba.cuda.compile_ptx`` (no GPU needed).
 
     python -m pocketfm.kernels.ptx_check        # exit 0 ok, 1 a kernel failed, 3 no NVVM
+    python -m pocketfm.kernels.ptx_check --only gemv,attention   # these modules' kernels
+    python -m pocketfm.kernels.ptx_check --skip gemv,attention   # every other module's
 
 Must run WITHOUT the simulator (``NUMBA_ENABLE_CUDASIM`` unset or 0), in its own process: the
 simulator and the compiler cannot share one. Needs the nvidia-nvvm and nvidia-cuda-nvrtc wheels.
@@ -18,9 +20,18 @@ from . import FAMILIES
 ENGINE_MODULES = ("pocketfm.engine.step_kernels", "pocketfm.engine.synthetic_weights")  # kernels outside the op families
 
 
-def all_signatures():
-    """(module, kernel, signature) for every kernel of every family and of the engine."""
-    for name in [f"pocketfm.kernels.{fam}" for fam in FAMILIES] + list(ENGINE_MODULES):
+def module_names() -> list[str]:
+    """Every module with kernels: the op families', then the engine's."""
+    return [f"pocketfm.kernels.{fam}" for fam in FAMILIES] + list(ENGINE_MODULES)
+
+
+def all_signatures(only=None, skip=()):
+    """(module, kernel, signature) for every kernel of every family and of the engine (of the
+    modules whose short names are in ``only``, if given, and not in ``skip``)."""
+    for name in module_names():
+        short = name.rsplit(".", 1)[-1]
+        if (only is not None and short not in only) or short in skip:
+            continue
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -48,7 +59,23 @@ def _pretend_sm90_device():
     dispatcher.get_current_device = lambda: _FakeDevice()
 
 
-def main() -> int:
+def _names(argv, flag):
+    """The comma-separated module names after ``flag`` in argv (None if absent)."""
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    return set(argv[i + 1].split(",")) if i + 1 < len(argv) else set()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    only, skip = _names(argv, "--only"), _names(argv, "--skip") or set()
+    known = {n.rsplit(".", 1)[-1] for n in module_names()}
+    unknown = ((only or set()) | skip) - known
+    if unknown:
+        print(f"ptx_check: no kernel module {', '.join(sorted(unknown))}; "
+              f"known: {', '.join(sorted(known))}")
+        return 2
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
         print("ptx_check: unset NUMBA_ENABLE_CUDASIM (the simulator cannot compile PTX)")
         return 2
@@ -63,7 +90,7 @@ def main() -> int:
         return 3
     _pretend_sm90_device()
     failed, n, t0 = [], 0, time.time()
-    for fam, kern, sig in all_signatures():
+    for fam, kern, sig in all_signatures(only, skip):
         n += 1
         name = getattr(kern, "__name__", None) or getattr(kern, "py_func", kern).__name__
         try:

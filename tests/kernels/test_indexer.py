@@ -78,6 +78,12 @@ def test_indexer_scores_many_tiles():
     check_scores(out.copy_to_host()[None], ref, [n])
 
 
+def ascending(ref):
+    """The radix top-k's order: the picks ascending, the -1 pads last."""
+    picks = sorted(int(j) for j in ref if j >= 0)
+    return picks + [-1] * (len(ref) - len(picks))
+
+
 def run_topk(scores, n, k, naive, work=None):
     out = cuda.to_device(np.full(k, -7, np.int32))
     ix.topk(out, cuda.to_device(scores.astype(np.float32)), cuda.to_device(np.array([n], np.int32)),
@@ -98,6 +104,8 @@ def test_topk_distinct_scores(naive):
     assert sorted(out) == sorted(ref)
     if naive:
         assert np.array_equal(out, ref)  # rank order: exactly the reference's order
+    else:
+        assert list(out) == ascending(ref)  # index order: no sort needed after it
     alt = np.empty((1, k), np.int64)
     ops.topk_visible(alt, scores[None].astype(np.float64), np.array([n]))
     assert set(alt[0]) == set(ref)  # no ties: the reference agrees with the model's op
@@ -112,6 +120,7 @@ def test_topk_ties_go_to_the_lowest_index(naive):
     scores[rng.integers(0, n, size=5)] = -0.0
     out, ref = run_topk(scores, n, k, naive)
     assert sorted(out) == sorted(ref)
+    assert naive or list(out) == ascending(ref)
     top = np.sort(scores[:n])[::-1]
     assert top[k - 1] == top[k]  # the k-th value really is tied across the cut
 
@@ -121,16 +130,21 @@ def test_topk_fewer_visible_than_k(naive):
     scores = fresh_rng().normal(size=50).astype(np.float32)
     out, ref = run_topk(scores, 13, 32, naive)
     assert sorted(out) == sorted(ref) == [-1] * 19 + list(range(13))
+    assert naive or list(out) == list(range(13)) + [-1] * 19
 
 
 def test_topk_reuses_its_workspace():
-    """The radix kernel leaves its barrier counter at zero: back-to-back calls stay correct."""
+    """The radix kernel leaves its barrier counter and histograms at zero: back-to-back calls
+    (ties at the cut in the second, so it takes all three digit passes) stay correct."""
     work = ix.topk_workspace()
     rng = fresh_rng()
-    for n in (97, 40, 5):
+    for n, ties in ((97, False), (90, True), (40, False), (5, False), (101, False)):
         scores = rng.normal(size=101).astype(np.float32)
+        if ties:
+            scores = np.round(scores).astype(np.float32)
         out, ref = run_topk(scores, n, 16, False, work)
-        assert sorted(out) == sorted(ref)
+        assert list(out) == ascending(ref)
+    assert not work.copy_to_host()[:3 * ix._HIST].any()
 
 
 def run_topk_chunk(scores, nv, k, threads=THREADS):
