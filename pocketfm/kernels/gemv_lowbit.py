@@ -50,11 +50,11 @@ Kernels per type ``<t>`` (the launcher picks by T):
   shared memory (float32) and reused by a tile of tokens; 4 x 4 outputs per thread. On a GPU
   the launcher picks mma.py's tensor-core GEMM for these shapes; the simulator keeps this one.
 
-H200, 6 of 256 experts (graph replay; ~13-17 MB read per launch): IQ2_XXS gate 25 µs, Q2_K down
-15 µs (13% / 27% of the 4.1 TB/s copy bandwidth). A load-only kernel with the same access
-pattern takes 6-7 µs (~50%): at this size latency and ramp-up, not bandwidth, set the floor.
-ncu: the IQ2_XXS kernel is latency-bound (occupancy 12.5%: registers and shared memory; stalls
-on shared-memory lookups).
+H200, 6 of 256 experts (graph replay; ~13-17 MB read per launch; 2026-12-02): IQ2_XXS gate+up
+18.7-21.6 µs (24.3 with the sign and negation tables: three shared lookups per 8 weights, the
+kernel's main stall under ncu), Q2_K down 15 µs (15-16% / 27% of the 4.1 TB/s copy bandwidth).
+A load-only kernel with the same access pattern takes 6-7 µs (~50%): at this size latency and
+ramp-up, not bandwidth, set the floor.
 """
 from __future__ import annotations
 

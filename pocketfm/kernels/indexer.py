@@ -628,8 +628,8 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
 
     The picks come in ascending index order (the naive kernel: by rank); ties at the k-th
     value go to the lowest index; with n_visible <= k the result is 0 .. n_visible-1 padded
-    with -1. ``work`` is a
-    ``topk_workspace()``; by default one module-wide buffer (calls on one stream only).
+    with -1. ``work`` is a ``topk_workspace()``; by default one module-wide buffer (calls on
+    one stream only).
     ``blocks``: the grid (benchmarks; default one block per ~4 entries a thread, <= SMs).
     """
     if out_idx.shape[0] != k:

@@ -357,10 +357,10 @@ def _mxfp4_word(planes, e, n, c):
 # A slot is words 2*sl, 2*sl+1 of the row's qs plane (the same for every type). ``<t>_xcol(sl, k)``
 # is the first of the 4 columns that x word k of slot sl pairs with. ``<t>_aux(planes, e, n, sl)``
 # loads the rest of what the slot needs from the other planes, as (u, fa, fb): a scale word and
-# two float scales (0 where unused), so that the kernel requests them a step ahead with the quant
-# words instead of waiting on them inside the dot. ``<t>_dot`` takes the two words, the aux and
-# the lane's x registers and returns the slot's partial dot product in units of the x scale.
-# Integer sums stay far below 2^31 (bounds beside each).
+# two float scales (0 where unused), so that the kernel may request them a step ahead with the
+# quant words (gemv_lowbit's ``aux_ahead``, chosen per type as measured). ``<t>_dot`` takes the
+# two words, the aux and the lane's x registers and returns the slot's partial dot product in
+# units of the x scale. Integer sums stay far below 2^31 (bounds beside each).
 @cuda.jit(device=True)
 def _q2_k_xcol(sl, k):
     # slot sl = super-block sl >> 2, lane slot 2h + u; x word k = 4j + v: columns
