@@ -20,16 +20,16 @@ from . import FAMILIES
 ENGINE_MODULES = ("pocketfm.engine.step_kernels", "pocketfm.engine.synthetic_weights")  # kernels outside the op families
 
 
-def module_names() -> list[str]:
-    """Every module with kernels: the op families', then the engine's."""
-    return [f"pocketfm.kernels.{fam}" for fam in FAMILIES] + list(ENGINE_MODULES)
+def module_names() -> dict[str, str]:
+    """Every module with kernels, short name -> full name: the op families', then the engine's."""
+    full = [f"pocketfm.kernels.{fam}" for fam in FAMILIES] + list(ENGINE_MODULES)
+    return {name.rsplit(".", 1)[-1]: name for name in full}
 
 
 def all_signatures(only=None, skip=()):
     """(module, kernel, signature) for every kernel of every family and of the engine (of the
     modules whose short names are in ``only``, if given, and not in ``skip``)."""
-    for name in module_names():
-        short = name.rsplit(".", 1)[-1]
+    for short, name in module_names().items():
         if (only is not None and short not in only) or short in skip:
             continue
         try:
@@ -60,21 +60,22 @@ def _pretend_sm90_device():
 
 
 def _names(argv, flag):
-    """The comma-separated module names after ``flag`` in argv (None if absent)."""
+    """The comma-separated module names after ``flag`` in argv (None if absent, {""} if the
+    flag has no value: not a module name, so main reports it)."""
     if flag not in argv:
         return None
     i = argv.index(flag)
-    return set(argv[i + 1].split(",")) if i + 1 < len(argv) else set()
+    return set(argv[i + 1].split(",")) if i + 1 < len(argv) else {""}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     only, skip = _names(argv, "--only"), _names(argv, "--skip") or set()
-    known = {n.rsplit(".", 1)[-1] for n in module_names()}
-    unknown = ((only or set()) | skip) - known
+    known = module_names()
+    unknown = ((only or set()) | skip) - set(known)
     if unknown:
-        print(f"ptx_check: no kernel module {', '.join(sorted(unknown))}; "
-              f"known: {', '.join(sorted(known))}")
+        print(f"ptx_check: --only / --skip take module names, got {', '.join(sorted(unknown))!r};"
+              f" known: {', '.join(sorted(known))}")
         return 2
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
         print("ptx_check: unset NUMBA_ENABLE_CUDASIM (the simulator cannot compile PTX)")

@@ -21,3 +21,15 @@ def test_every_kernel_compiles_for_sm90(which):
         pytest.skip("no NVVM here (pip install nvidia-nvvm nvidia-cuda-nvrtc); CI requires it")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     print(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args", [["--only", "gemv,bogus"], ["--skip"]])
+def test_ptx_check_rejects_unknown_module_names(args):
+    """A misspelt module (or a flag without its value) is a one-line error, exit 2, before any
+    compiling (so this runs without NVVM too)."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    p = subprocess.run([sys.executable, "-m", "pocketfm.kernels.ptx_check", *args], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1 and "module names" in lines[0] and "Traceback" not in p.stderr
