@@ -6,7 +6,9 @@ One step consumes the token at ``meta[pos]`` and, once the prompt is in, writes 
     embed        e = token_embd[token]; X = 4 copies (HC streams)
     per layer    attention sublayer (HC pre, norms, q / kv, RoPE, FP8 pack into the window ring,
                  compressor + indexer on CSA layers, sink attention over packed entries,
-                 inverse RoPE, grouped output projection, HC post), then the MoE sublayer
+                 inverse RoPE, grouped output projection), then the MoE sublayer; each
+                 sublayer's HC post is made by the next HC pre's mix launch (hc_pre's
+                 ``post_from``), the last one before the head
     head         HC head collapse, norm, logits, argmax or top-p sample -> next_token
     end_step     ids[pos + 1] = next_token (after the prompt); pos += 1
 
@@ -195,10 +197,11 @@ class DecodeEngine:
                       cfg.window, s)
         embed(self.e, w.embed, self.token, s, threads=nt)
         broadcast_rows(self.X[0].reshape(cfg.hc_mult, cfg.dim), self.e, s, threads=nt)
-        X = 0
+        X, post = 0, None  # post: the HC post still to be made (by the next HC pre's mix)
         for i in range(cfg.n_layers):
-            self._attention(i, self.X[X], self.X[1 - X])
-            self._ffn(i, self.X[1 - X], self.X[X])
+            post = self._attention(i, self.X[X], post)
+            post = self._ffn(i, self.X[1 - X], post)
+        hc_post(self.X[X], *post, s, threads=nt, **sim)
         if self.mem is not None:  # global-topk: the next step's set, scored on the device
             self.mem.end_of_step(s, nt)
         hc_head(self.head_u, self.X[X], *w.output_hc, cfg.rms_eps, cfg.hc_eps, s, threads=nt, **sim)
@@ -211,14 +214,17 @@ class DecodeEngine:
             argmax(self.next_token, self.logits.reshape(cfg.vocab), s, threads=nt)
         sk.end_step(self.meta, self.ids, self.next_token, s)
 
-    def _attention(self, i: int, X, X_out) -> None:
+    def _attention(self, i: int, X, post_from):
+        """The attention sublayer on streams X (first made as the HC post ``post_from`` of the
+        sublayer before, if any); returns its own HC post's inputs, for the next HC pre."""
         cfg, s, L, c = self.cfg, self.stream, self.w.layers[i], self.caches[i]
         nt, sim = self.nt, self.sim
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u = self.u_norm
         side = self.side if self.branches else None  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
-               threads=nt, side=side, norm=(u, L.attn_norm), **sim)  # u = attn_norm(HC pre)
+               threads=nt, side=side, norm=(u, L.attn_norm), post_from=post_from,
+               **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
         if cfg.is_csa(i):  # the indexer's keys and weights, from u alone: on their own branch
@@ -274,7 +280,7 @@ class DecodeEngine:
         G = cfg.o_groups
         gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
-        hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt, **sim)
+        return self.f, X, self.post, self.comb  # made by the FFN's HC pre
 
     def _indexer_keys(self, i: int, L, c, s) -> None:
         """On stream ``s``: emit this token's indexer key (every 4th token) and make the
@@ -318,20 +324,23 @@ class DecodeEngine:
         if self.mem is not None:  # (the global set comes in ascending order too)
             self.mem.drop_selected(self.sel, s)
 
-    def _ffn(self, i: int, X, X_out) -> None:
+    def _ffn(self, i: int, X, post_from):
+        """The MoE sublayer on streams X, made first as the attention's HC post; returns its
+        own HC post's inputs (as _attention)."""
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]
         nt, sim = self.nt, self.sim
         side = self.side if self.branches else None  # post + comb beside u and the MoE
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm), **sim)
+               cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm),
+               post_from=post_from, **sim)
         moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
-                  side=side)
+                  side=side, side_x=self.side_q if self.branches else None)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
-        hc_post(X_out, self.f, X, self.post, self.comb, s, threads=nt, **sim)
+        return self.f, X, self.post, self.comb  # made by the next HC pre (or before the head)
 
     # ---- a sequence -----------------------------------------------------------------------------
     def start(self, prompt: list[int], uniforms: np.ndarray | None = None) -> None:

@@ -16,6 +16,8 @@ import numba
 import numpy as np
 from numba import cuda
 
+from . import pdl
+
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
@@ -23,13 +25,20 @@ FULL_MASK = 0xFFFFFFFF
 
 def kernel(fn=None, **opts):
     """``cuda.jit`` with fastmath off by default and profiler / register options dropped in
-    the simulator (it raises TypeError on ``lineinfo`` and ``max_registers``)."""
+    the simulator (it raises TypeError on ``lineinfo`` and ``max_registers``). On a GPU the
+    kernel gets pdl.py's prologue (programmatic dependent launch) unless POCKETFM_PDL=0."""
     if SIMULATOR:
         opts.pop("lineinfo", None)
         opts.pop("max_registers", None)
     else:
         opts.setdefault("lineinfo", True)
-    deco = cuda.jit(**opts)
+    jit = cuda.jit(**opts)
+
+    def deco(f):
+        if not pdl.ENABLED:
+            return jit(f)
+        pdl.install()
+        return jit(pdl.with_prologue(f))
     return deco(fn) if fn is not None else deco
 
 

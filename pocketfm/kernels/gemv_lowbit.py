@@ -551,8 +551,7 @@ def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | No
         nt = min(_pow2_floor(threads or 128), 1024)
         spec.naive[(N, T), nt, stream](out, w.planes, x, ids_arr)
     elif how == "decode":  # x prepared once (a small launch, one row if shared), then the GEMV
-        slots = _x_slots(spec, spec.prep, x.shape[0], K, stream, x)
-        _decode(spec, out, w, slots, ids_arr, nt, stream)
+        _decode(spec, out, w, prepare_x(w, x, stream), ids_arr, nt, stream)
     else:
         assert ids is None, "the GEMM kernel runs one weight for all tokens"
         nt = min(_pow2_floor(threads or 256), 256)
@@ -589,11 +588,33 @@ def shares_x_row(w: QWeight) -> bool:
     return w.qtype in SPECS
 
 
-def fuses_swiglu(w: QWeight, threads=None) -> bool:
-    """Whether gemv_swiglu takes ``w``: a low-bit type whose rows fit the dp4a decode kernel
-    (the fused preparation feeds only that kernel), float-x diagnostics off."""
+def takes_prepared_x(w: QWeight, threads=None) -> bool:
+    """Whether ``w``'s decode runs the dp4a kernel on x prepared by its own launch (so that
+    ``prepare_x`` / ``gemv_prepared`` apply): a low-bit type whose rows fit that kernel,
+    float-x diagnostics off."""
     spec = SPECS.get(w.qtype)
     return spec is not None and not _FLOAT_X and decode_threads(spec, w.cols, threads) is not None
+
+
+def fuses_swiglu(w: QWeight, threads=None) -> bool:
+    """Whether gemv_swiglu takes ``w`` (the fused preparation feeds only the dp4a kernel)."""
+    return takes_prepared_x(w, threads)
+
+
+def prepare_x(w: QWeight, x, stream=0):
+    """x [T, K] in the slots of ``w``'s dp4a decode kernel, launched on ``stream`` into buffers
+    of that stream's own: the first half of a decode GEMV, so that it can run on a branch
+    beside other work (the MoE's router); ``gemv_prepared`` is the second half."""
+    spec = SPECS[w.qtype]
+    return _x_slots(spec, spec.prep, x.shape[0], w.cols, stream, x)
+
+
+def gemv_prepared(out, w: QWeight, slots, ids=None, stream=0, threads=None) -> None:
+    """out[T, N] = W · x[t] (or W[ids[t]] · x[t]) on x prepared by ``prepare_x`` (the stream
+    that made it joined into ``stream``); one x row may serve every id."""
+    spec = SPECS[w.qtype]
+    _decode(spec, out, w, slots, _no_ids() if ids is None else ids,
+            decode_threads(spec, w.cols, threads), stream)
 
 
 def gemv_swiglu(out, w, gate_up, weights, clamp: float, ids=None, stream=0,

@@ -221,25 +221,16 @@ def _hc_post_naive(out, f, X, post, comb):
 # At T = 1 every one of these kernels is latency-bound, so loads are issued UNROLL (or HC) at a
 # time into registers before any is used, and stores come after all loads (the compiler cannot
 # move a load of X above a store to out_u: it does not know they never alias).
-@device.kernel
-def _hc_mix_split(part, X, fn, cb):
-    """Block (b, t): flattened columns [b * cb, (b+1) * cb) of x^ = flatten(X[t]) (stream-major).
-
-    x^ is staged in shared memory; warp w takes mix rows w, w + warps, ... and its lanes read
-    the row's cb fn values coalesced. Writes part[t, r * splits + b]: the partial dot of row r,
-    and for r = M the partial sum of x^2.
-    """
-    xs = cuda.shared.array(MAX_CB, np.float32)
-    scratch = cuda.shared.array(MAX_THREADS, np.float32)
-    b, t, splits = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x
-    hc, D = X.shape[1], X.shape[2]
-    C, M = hc * D, fn.shape[0]
+@cuda.jit(device=True)
+def _mix_partials(part, xs, fn, c0, cb, C, t):
+    """The split mix over the cb staged columns xs (flattened columns c0 ..): warp w takes mix
+    rows w, w + warps, ... and its lanes read the row's fn values coalesced. Writes
+    part[t, r * splits + b]: the partial dot of row r, and for r = M the partial sum of x^2.
+    The staging must be complete (a barrier after it)."""
+    b, splits = cuda.blockIdx.x, cuda.gridDim.x
+    M = fn.shape[0]
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    c0 = b * cb
-    for e in range(tid, cb, nt):
-        c = c0 + e
-        xs[e] = X[t, c // D, c % D] if c < C else np.float32(0.0)
-    cuda.syncthreads()
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
     vals = cuda.local.array(UNROLL, np.float32)
     lane, w, nw = tid % 32, tid // 32, nt // 32
     for r0 in range(0, M + 1, nw):  # the same trip count in every warp (warp_sum needs all)
@@ -256,6 +247,63 @@ def _hc_mix_split(part, X, fn, cb):
         acc = warp_sum(acc, scratch)
         if lane == 0 and r <= M:
             part[t, r * splits + b] = acc
+
+
+@device.kernel
+def _hc_mix_split(part, X, fn, cb):
+    """Block (b, t): flattened columns [b * cb, (b+1) * cb) of x^ = flatten(X[t]) (stream-major),
+    staged in shared memory, then ``_mix_partials``."""
+    xs = cuda.shared.array(MAX_CB, np.float32)
+    b, t = cuda.blockIdx.x, cuda.blockIdx.y
+    hc, D = X.shape[1], X.shape[2]
+    C = hc * D
+    c0 = b * cb
+    for e in range(cuda.threadIdx.x, cb, cuda.blockDim.x):
+        c = c0 + e
+        xs[e] = X[t, c // D, c % D] if c < C else np.float32(0.0)
+    cuda.syncthreads()
+    _mix_partials(part, xs, fn, c0, cb, C, t)
+
+
+@cuda.jit(device=True)
+def _stage_post_coeffs(pc, post, comb, t):
+    """pc = comb[t] (row-major), then post[t]: the HC post's coefficients in shared memory,
+    complete after the barrier this ends on (blockDim.x >= HC * (HC + 1))."""
+    hc = post.shape[1]
+    tid = cuda.threadIdx.x
+    if tid < hc * hc:
+        pc[tid] = comb[t, tid // hc, tid % hc]
+    elif tid < hc * hc + hc:
+        pc[tid] = post[t, tid - hc * hc]
+    cuda.syncthreads()
+
+
+@device.kernel
+def _hc_post_mix_split(part, X, f, X_prev, post, comb, fn, cb):
+    """The previous sublayer's HC post fused into this one's split mix: block (b, t) makes its
+    columns of X[t] = hc_post(f, X_prev, post, comb) (spec §4.3), writes them (the sublayer's
+    streams, read later by u and the next post) and mixes them as ``_hc_mix_split`` does. One
+    launch instead of two on the decode's critical path; each column is made by one block."""
+    xs = cuda.shared.array(MAX_CB, np.float32)
+    pc = cuda.shared.array(MAX_PC, np.float32)
+    b, t = cuda.blockIdx.x, cuda.blockIdx.y
+    hc, D = X.shape[1], X.shape[2]
+    C = hc * D
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    _stage_post_coeffs(pc, post, comb, t)
+    c0 = b * cb
+    for e in range(tid, cb, nt):
+        c = c0 + e
+        v = np.float32(0.0)
+        if c < C:
+            k, d = c // D, c % D
+            v = pc[hc * hc + k] * f[t, d]
+            for j in range(hc):
+                v += pc[j * hc + k] * X_prev[t, j, d]
+            X[t, k, d] = v
+        xs[e] = v
+    cuda.syncthreads()
+    _mix_partials(part, xs, fn, c0, cb, C, t)
 
 
 @cuda.jit(device=True)
@@ -445,11 +493,7 @@ def _hc_post_streams(out, f, X, post, comb):
     T, hc, D = out.shape
     t = cuda.blockIdx.y
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    if tid < hc * hc:
-        pc[tid] = comb[t, tid // hc, tid % hc]
-    elif tid < hc * hc + hc:
-        pc[tid] = post[t, tid - hc * hc]
-    cuda.syncthreads()
+    _stage_post_coeffs(pc, post, comb, t)
     for d in range(cuda.blockIdx.x * nt + tid, D, cuda.gridDim.x * nt):
         if hc == 4:
             _post_column(out, f, X, pc, t, d, 4)
@@ -482,21 +526,26 @@ def _threads(threads, default):
     return nt
 
 
-def _mix(dest, X, fn, rows, stream, threads):
+def _mix(dest, X, fn, rows, stream, threads, post_from=None):
     """Launch the split mix into ``dest`` (out_u, where the partials are parked, or a
-    workspace); returns the split count, or None when D is too small for it."""
+    workspace); returns the split count, or None when D is too small for it. ``post_from``
+    (f, X_prev, post, comb): X is first made as hc_post of them, in the same launch."""
     T, hc, D = X.shape
     plan = _split_plan(D, hc, rows)
     if plan is None:
         return None
     cb, splits = plan
     nt = _threads(threads, min(MAX_THREADS, 32 * (rows + 1)))
-    _hc_mix_split[(splits, T), nt, stream](dest, X, fn, cb)
+    if post_from is None:
+        _hc_mix_split[(splits, T), nt, stream](dest, X, fn, cb)
+    else:
+        assert nt >= hc * hc + hc
+        _hc_post_mix_split[(splits, T), nt, stream](dest, X, *post_from, fn, cb)
     return splits
 
 
 def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
-           threads=None, naive=False, mix=None, side=None, norm=None) -> None:
+           threads=None, naive=False, mix=None, side=None, norm=None, post_from=None) -> None:
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
@@ -510,12 +559,20 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     before hc_post, and before the next hc_pre (its mix rewrites the partials).
 
     ``norm`` (out_norm [T, D], w [D]): also out_norm = rmsnorm(u) * w at eps rms_eps (the
-    sublayer's input norm); with ``side`` in the same launch as u, else a launch after."""
+    sublayer's input norm); with ``side`` in the same launch as u, else a launch after.
+
+    ``post_from`` (f, X_prev, post, comb): the previous sublayer's HC post is still to be done;
+    X is first written as hc_post(X, f, X_prev, post, comb). With ``side`` that is the mix's
+    own launch (the decode: one launch fewer a sublayer), else an hc_post launch before."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
     eps = (np.float32(rms_eps), np.float32(hc_eps), int(iters))
     nf = _finish_threads(D, threads)
+    plan = None if naive else _split_plan(D, hc, M)
+    if post_from is not None and (side is None or plan is None or mix is not None):
+        hc_post(X, *post_from, stream, threads, naive=naive)
+        post_from = None
     if mix is not None:  # a chunk: the mix as one GEMM, fn read once for all T tokens
         C = hc * D
         gemv(mix, QWeight(GGMLType.F32, M, C, 1, (fn.reshape(1, M, C),)), X.reshape(T, C),
@@ -524,11 +581,10 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         if norm is not None:
             rmsnorm(norm[0], out_u, norm[1], rms_eps, True, stream, threads)
         return
-    plan = None if naive else _split_plan(D, hc, M)
     if side is not None and plan is not None:
         part = device.stream_buffer("hc_pre partials", stream, (T, (M + 1) * plan[1]),
                                     np.float32)
-        splits = _mix(part, X, fn, M, stream, threads)
+        splits = _mix(part, X, fn, M, stream, threads, post_from)
         _hc_pre_finish_post[T, 128, side.fork(stream)](out_post, out_comb, X, part, base, scale,
                                                        *eps, splits)
         out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
@@ -581,6 +637,7 @@ PTX_SIGNATURES = [
     (_hc_head_naive, f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32)"),
     (_hc_post_naive, f"void({_F3}, {_F2}, {_F3}, {_F2}, {_F3})"),
     (_hc_mix_split, f"void({_F2}, {_F3}, {_F2}, int64)"),
+    (_hc_post_mix_split, f"void({_F2}, {_F3}, {_F2}, {_F3}, {_F2}, {_F3}, {_F2}, int64)"),
     (_hc_pre_finish,
      f"void({_PRE_OUT}, {_F3}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_pre_finish_mix,

@@ -24,9 +24,10 @@ Fewer launches where the types allow (each saves a launch and, in a graph, a dep
 V4-Flash in the engine (IQ2_XXS gate/up + Q2_K down routed, Q8_0 shared on a side stream;
 a low-bit GEMV is two launches: its x preparation, then the dp4a kernel)::
 
-    main: router gemv -> route -> x slots (IQ2_XXS) -> gate/up -> SwiGLU x slots (Q2_K) -> down
-          -> join -> combine
-    side: shared gate/up -> swiglu -> shared down
+    main:   router gemv -> route -> join x -> gate/up -> SwiGLU x slots (Q2_K) -> down
+            -> join -> combine
+    side_x: x slots (IQ2_XXS: the routed gate/up's x, needing x alone)
+    side:   shared gate/up -> swiglu -> shared down
 
 Step-dependent inputs are device arrays (``token[1]`` int32, the chosen ``ids``): nothing the
 host decides per step reaches a kernel argument. Layer constants (``use_hash``, clamps, the
@@ -46,7 +47,8 @@ from . import device
 from .bench import BenchCase
 from .device import capture_graph, cdiv
 from .gemv import gemv, gemv_ref
-from .gemv_lowbit import fuses_swiglu, gemv_swiglu, shares_x_row, swiglu_scalar
+from .gemv_lowbit import (fuses_swiglu, gemv_prepared, gemv_swiglu, prepare_x, shares_x_row,
+                          swiglu_scalar, takes_prepared_x)
 from .qweight import QWeight
 
 MAX_E = 512  # experts a route block can hold in shared memory (V4: 256)
@@ -451,7 +453,7 @@ def _swiglu_down(rows, w_down, g, u, col, weights, clamp, ids, stream, threads) 
 def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, up_exps,
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
-              threads=None, side=None) -> None:
+              threads=None, side=None, side_x=None) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -460,8 +462,10 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     [E × D, F]; shared_gate / shared_up / shared_down likewise [F, D] / [D, F] (fused when the
     routed ones are), or all None: no shared expert. ``clamp`` / ``clamp_shared``: SwiGLU
     clamps (<= 0: none). ``side``: a device.SideStream; the shared expert then runs on it,
-    beside the routed chain. Launches only, into ``scratch``: graph-capturable. Which launches
-    depends on the weight types (module docstring); the fusions change no bit of the result.
+    beside the routed chain. ``side_x``: another one; the routed gate/up's x preparation
+    (low-bit dp4a) then runs on it beside the router and the routing. Launches only, into
+    ``scratch``: graph-capturable. Which launches depends on the weight types (module
+    docstring); the fusions change no bit of the result.
     """
     sc, F = scratch, scratch.F
     fused, has_shared = up_exps is None, shared_gate is not None
@@ -480,6 +484,9 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
             gemv(S["up"], shared_up, x, None, ss, threads)
         if not one_swiglu:
             _swiglu_down(S, shared_down, g, u, col, sc.w_one, clamp_shared, None, ss, threads)
+    prepared = None  # x for the routed gate/up, made beside the router: it needs only x
+    if side_x is not None and fused and takes_prepared_x(gate_exps, threads):
+        prepared = prepare_x(gate_exps, x, side_x.fork(stream))
     gemv(sc.logits, gate_inp, x, None, stream, threads)
     route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash, routed_scale,
                 normalise, stream, threads)
@@ -488,7 +495,10 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     if not one_x:
         broadcast_rows(sc.x_rep, x, stream, threads)
     x_ids = x if one_x else sc.x_rep
-    if fused:
+    if prepared is not None:
+        side_x.join(stream)
+        gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, threads)
+    elif fused:
         gemv(R["gate_up"], gate_exps, x_ids, sc.ids_k, stream, threads)
     else:
         gemv(R["gate"], gate_exps, x_ids, sc.ids_k, stream, threads)

@@ -6,6 +6,8 @@
 
 Must run WITHOUT the simulator (``NUMBA_ENABLE_CUDASIM`` unset or 0), in its own process: the
 simulator and the compiler cannot share one. Needs the nvidia-nvvm and nvidia-cuda-nvrtc wheels.
+With programmatic dependent launch on (pdl.py; the default outside the simulator) each kernel's
+PTX must also wait for its predecessor before its first global memory access.
 """
 from __future__ import annotations
 
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
         return 2
     from numba import cuda
 
+    from . import pdl
+
     try:
         from numba.cuda.cudadrv.nvvm import NVVM
 
@@ -95,10 +99,14 @@ def main(argv=None) -> int:
         n += 1
         name = getattr(kern, "__name__", None) or getattr(kern, "py_func", kern).__name__
         try:
-            cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), lineinfo=True)
+            ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), lineinfo=True)
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             failed.append(f"{fam}.{name} {sig}: {first}")
+            continue
+        wrong = pdl.check_prologue(ptx) if pdl.ENABLED else None
+        if wrong:
+            failed.append(f"{fam}.{name} {sig}: {wrong}")
     for f in failed:
         print("FAILED", f)
     print(f"ptx_check: {n - len(failed)}/{n} kernels compiled for sm_90 in {time.time() - t0:.1f} s")

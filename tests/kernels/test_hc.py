@@ -85,6 +85,39 @@ def test_hc_pre_with_the_input_norm(path):
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
 
 
+@pytest.mark.parametrize("path", ["side", "split", "naive", "mix"])
+def test_hc_pre_after_the_previous_post(path):
+    """``post_from``: X is first made as the previous sublayer's hc_post (on the side-stream
+    path inside the mix launch, _hc_post_mix_split; else an hc_post launch before), with
+    post / comb read and then rewritten in the same buffers, as the decode engine runs it."""
+    from pocketfm.kernels import device
+
+    rng = fresh_rng()
+    HC, T, D = 4, 2, 256
+    M = (2 + HC) * HC
+    Xp, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    f = rng.standard_normal((T, D)).astype(np.float32)
+    post0 = rng.uniform(0, 2, (T, HC)).astype(np.float32)
+    comb0 = rng.uniform(0, 1, (T, HC, HC)).astype(np.float32)
+    ref_X = np.empty((T, HC, D))
+    hc.hc_post_ref(ref_X, *_f64(f, Xp, post0, comb0))
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, ref_X, *_f64(fn, base, scale), 1e-6, 1e-6, 20)
+    X, u = poisoned((T, HC, D)), poisoned((T, D))
+    post, comb = cuda.to_device(post0), cuda.to_device(comb0)
+    side = device.SideStream() if path == "side" else None
+    how = dict(side=side, naive=path == "naive", mix=poisoned((T, M)) if path == "mix" else None)
+    hc.hc_pre(u, post, comb, X, *map(cuda.to_device, (fn, base, scale)), 1e-6, 1e-6, 20,
+              threads=THREADS, post_from=(cuda.to_device(f), cuda.to_device(Xp), post, comb),
+              **how)
+    if side is not None:
+        side.join(0)
+    assert rel_err(X.copy_to_host(), ref_X) <= 1e-4
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+    assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
+    assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
 @pytest.mark.parametrize("T", [3, 7])
 def test_hc_pre_chunk_mix(T):
     """A prefill chunk: the mix as a GEMM into the ``mix`` workspace (T = 3: gemv's decode

@@ -232,8 +232,9 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
                 d.update(shared_gate=fused["shared_gate"], shared_up=None)
         out = poisoned((1, D))
         side = SideStream() if step.get("side") else None
+        side_x = SideStream() if step.get("side_x") else None
         moe.moe_layer(out, d_x, bias=d_bias, tid2eid=d_tid2eid, token=d_token, scratch=scratch,
-                      threads=THREADS, side=side, **d, **layer)
+                      threads=THREADS, side=side, side_x=side_x, **d, **layer)
         cuda.synchronize()
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
@@ -273,7 +274,9 @@ def test_moe_layer_lowbit_without_shared_expert_fusions_change_no_bit(monkeypatc
     covered above, and gemv_swiglu without ids in test_gemv_lowbit.py."""
     seed = int(fresh_rng().integers(2**32))
     D, F, E, k = 256, 256, 4, 2
-    steps = [dict(no_shared=True, fused=True, clamp=1.0)]  # the clamp bites
+    # the clamp bites; the second step prepares the routed x beside the router (side_x)
+    steps = [dict(no_shared=True, fused=True, clamp=1.0),
+             dict(no_shared=True, fused=True, clamp=1.0, side_x=True)]
 
     def run():
         rng = np.random.default_rng(seed)

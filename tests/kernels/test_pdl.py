@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (kernels/pdl.py): the PTX check CI lane B applies to every
+kernel, and the switch. The kernels themselves are compiled with the prologue and checked in
+test_ptx_compile.py; what PDL buys is measured on the H200 (BENCHMARKS.md)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pocketfm.kernels.pdl import check_prologue
+
+ENABLED = "from pocketfm.kernels import pdl; print(pdl.ENABLED)"
+
+HEAD = ".visible .entry k(\n\t.param .u64 k_param_0\n)\n{\n\tld.param.u64 \t%rd1, [k_param_0];\n"
+
+
+def test_a_wait_before_the_first_global_access_passes():
+    ptx = HEAD + ("\tgriddepcontrol.wait;\n\tld.global.nc.f32 \t%f1, [%rd1];\n"
+                  "\tst.global.f32 [%rd1], %f1;\n")
+    assert check_prologue(ptx) is None
+
+
+@pytest.mark.parametrize("body,problem", [
+    ("\tld.global.f32 \t%f1, [%rd1];\n\tgriddepcontrol.wait;\n", "before griddepcontrol.wait"),
+    ("\tatom.global.add.u32 \t%r1, [%rd1], 1;\n\tgriddepcontrol.wait;\n", "atom.global"),
+    ("\tst.global.f32 [%rd1], %f1;\n", "0 griddepcontrol.wait"),
+    ("\tgriddepcontrol.wait;\n\tgriddepcontrol.wait;\n", "2 griddepcontrol.wait"),
+])
+def test_a_missing_late_or_doubled_wait_is_reported(body, problem):
+    assert problem in check_prologue(HEAD + body)
+
+
+@pytest.mark.parametrize("value,enabled", [("0", False), ("off", False), ("1", True)])
+def test_pocketfm_pdl_switches_it_outside_the_simulator(value, enabled):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", POCKETFM_PDL=value)
+    p = subprocess.run([sys.executable, "-c", ENABLED],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == str(enabled)
+
+
+def test_the_simulator_never_uses_it():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", POCKETFM_PDL="1")
+    p = subprocess.run([sys.executable, "-c", ENABLED],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip() == "False", p.stderr[-2000:]
