@@ -5,7 +5,8 @@
     python -m pocketfm.kernels.ptx_check --skip gemv,attention   # every other module's
 
 Must run WITHOUT the simulator (``NUMBA_ENABLE_CUDASIM`` unset or 0), in its own process: the
-simulator and the compiler cannot share one. Needs the nvidia-nvvm and nvidia-cuda-nvrtc wheels.
+simulator and the compiler cannot share one. Needs the nvidia-nvvm, nvidia-cuda-nvrtc and
+nvidia-nvjitlink wheels (the ``[ptx]`` extra): each kernel's PTX is also assembled (nvJitLink).
 With programmatic dependent launch on (pdl.py; the default outside the simulator) each kernel's
 PTX must also wait for its predecessor before its first global memory access.
 """
@@ -70,6 +71,27 @@ def _names(argv, flag):
     return set(argv[i + 1].split(",")) if i + 1 < len(argv) else {""}
 
 
+def _assemble(ptx: str, name: str) -> str | None:
+    """Assemble ``ptx`` for sm_90 with nvJitLink (ptxas inside): None, or the first line of its
+    error log. NVVM can emit PTX that ptxas refuses (a branch to a label it never defined,
+    2026-12-02): compiling to PTX alone would pass such a kernel."""
+    from cuda.bindings import nvjitlink
+
+    data = ptx.encode()
+    h = nvjitlink.create(1, ["-arch=sm_90"])
+    try:
+        nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), name)
+        nvjitlink.complete(h)
+        return None
+    except nvjitlink.nvJitLinkError as e:
+        log = bytearray(max(1, nvjitlink.get_error_log_size(h)))
+        nvjitlink.get_error_log(h, log)
+        lines = bytes(log).rstrip(b"\0").decode(errors="replace").strip().splitlines()
+        return f"ptxas: {lines[0]}" if lines else f"ptxas: {e}"
+    finally:
+        nvjitlink.destroy(h)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     only, skip = _names(argv, "--only"), _names(argv, "--skip") or set()
@@ -93,6 +115,13 @@ def main(argv=None) -> int:
     except Exception as e:  # no libnvvm: the wheels are not installed
         print(f"ptx_check: NVVM unavailable ({type(e).__name__}: {e})")
         return 3
+    try:
+        from cuda.bindings import nvjitlink
+
+        nvjitlink.destroy(nvjitlink.create(1, ["-arch=sm_90"]))  # loads libnvJitLink
+    except Exception as e:
+        print(f"ptx_check: nvJitLink unavailable ({type(e).__name__}: {e})")
+        return 3
     _pretend_sm90_device()
     failed, n, t0 = [], 0, time.time()
     for fam, kern, sig in all_signatures(only, skip):
@@ -104,12 +133,13 @@ def main(argv=None) -> int:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             failed.append(f"{fam}.{name} {sig}: {first}")
             continue
-        wrong = pdl.check_prologue(ptx) if pdl.ENABLED else None
+        wrong = (pdl.check_prologue(ptx) if pdl.ENABLED else None) or _assemble(ptx, name)
         if wrong:
             failed.append(f"{fam}.{name} {sig}: {wrong}")
     for f in failed:
         print("FAILED", f)
-    print(f"ptx_check: {n - len(failed)}/{n} kernels compiled for sm_90 in {time.time() - t0:.1f} s")
+    print(f"ptx_check: {n - len(failed)}/{n} kernels compiled and assembled for sm_90 in "
+          f"{time.time() - t0:.1f} s")
     return 1 if failed else 0
 
 

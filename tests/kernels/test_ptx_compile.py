@@ -33,3 +33,28 @@ def test_ptx_check_rejects_unknown_module_names(args):
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stdout.strip().splitlines()
     assert len(lines) == 1 and "module names" in lines[0] and "Traceback" not in p.stderr
+
+
+def _nvjitlink_or_skip():
+    try:
+        from cuda.bindings import nvjitlink
+
+        nvjitlink.destroy(nvjitlink.create(1, ["-arch=sm_90"]))
+    except Exception as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no nvJitLink here ({type(e).__name__}); CI requires it")
+
+
+PTX_HEAD = ".version 8.0\n.target sm_90\n.address_size 64\n\n.visible .entry k()\n{\n"
+
+
+def test_assembling_catches_ptx_that_ptxas_refuses():
+    """NVVM once emitted a branch to a label it never defined (2026-12-02): compile_ptx passed
+    it, the GPU's loader did not. ptx_check assembles every kernel's PTX to catch that."""
+    from pocketfm.kernels.ptx_check import _assemble
+
+    _nvjitlink_or_skip()
+    assert _assemble(PTX_HEAD + "$L__ok:\n\tbra.uni $L__ok;\n\tret;\n}\n", "good") is None
+    problem = _assemble(PTX_HEAD + "\tbra.uni $L__BB0_129;\n\tret;\n}\n", "bad")
+    assert problem.startswith("ptxas:") and "L__BB0_129" in problem, problem
