@@ -351,7 +351,7 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, prefill, pre
     decode work exactly that of a real run at that context. With --prefill N, N random
     tokens then go through the real chunked prefill. Prints decode (and prefill) tok/s,
     bytes read per token and achieved GB/s, and GPU memory by component. Kernels are
-    launched with programmatic dependent launch (sm_90); POCKETFM_PDL=0 turns it off.
+    launched with programmatic dependent launch on sm_90 GPUs; POCKETFM_PDL=0 turns it off.
     """
     from .generate import resolve_device
     from .presets import preset

@@ -680,8 +680,16 @@ def bench_cases(stream):
         _hc_pre_finish_u[T, nf, stream](u, X, part, base, scale, np.float32(1e-6),
                                         np.float32(1e-6), splits, u,
                                         device.empty_vector(np.float32))
+    def post_then_pre():  # the decode's sublayer boundary: the last post inside the next mix
+        hc_pre(u, post, comb, Xn, fn, base, scale, 1e-6, 1e-6, 20, stream, side=side,
+               post_from=(f, X, post, comb))
+        side.join(stream)
+
     cases = [BenchCase("hc", "hc_pre T=1 side stream (post + Sinkhorn beside u), joined",
                        pre_side, bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T),
+             BenchCase("hc", "hc_pre T=1 side stream, the previous hc_post in its mix launch",
+                       post_then_pre, bytes=M * C * 4 + 3 * x_bytes + 2 * T * D * 4,
+                       flops=2 * M * C * T + 2 * (hc + 1) * C * T),
              BenchCase("hc", "hc_pre T=1 main-stream part only (mix + u)", u_path,
                        bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T)]
     for naive in (False, True):

@@ -19,9 +19,9 @@ How pocketfm uses it (``device.kernel`` applies it to every kernel when ``ENABLE
   cooperative launches keep numba's path). ``USE_ATTRIBUTE = False`` launches the same
   kernels plainly (the wait then returns at once): for A/B measurements.
 
-Off in the simulator and where ``POCKETFM_PDL`` is 0 / off / false / no. The prologue is
-sm_90 PTX, which CI lane B compiles (and checks: ``check_prologue``); a GPU below sm_90 would
-not take it (pocketfm's GPU target is the H200): set POCKETFM_PDL=0 there.
+Off in the simulator, on a GPU below sm_90 (``device_takes_it``), and where ``POCKETFM_PDL``
+is 0 / off / false / no. The prologue is sm_90 PTX, which CI lane B compiles and checks
+(``check_prologue``).
 """
 from __future__ import annotations
 
@@ -33,8 +33,29 @@ import numba
 from numba import cuda
 
 _OFF = ("0", "off", "false", "no")
+
+
+def device_takes_it() -> bool:
+    """False on a GPU below sm_90 (no griddepcontrol there); True on sm_90 and newer, and where
+    no driver answers (CI's compile lane, which targets sm_90). Asks the driver directly: this
+    runs at import, before numba has made a context."""
+    try:
+        from cuda.bindings import driver as drv
+
+        ok = drv.CUresult.CUDA_SUCCESS
+        if drv.cuInit(0)[0] != ok:
+            return True
+        err, dev = drv.cuDeviceGet(0)
+        attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        err2, major = drv.cuDeviceGetAttribute(attr, dev) if err == ok else (err, 0)
+        return err2 != ok or major >= 9
+    except Exception:  # no driver library at all
+        return True
+
+
 ENABLED = (not numba.config.ENABLE_CUDASIM
-           and os.environ.get("POCKETFM_PDL", "1").strip().lower() not in _OFF)
+           and os.environ.get("POCKETFM_PDL", "1").strip().lower() not in _OFF
+           and device_takes_it())
 USE_ATTRIBUTE = True
 
 if not numba.config.ENABLE_CUDASIM:
