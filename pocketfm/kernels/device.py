@@ -38,7 +38,7 @@ def kernel(fn=None, **opts):
         if not pdl.ENABLED:
             return jit(f)
         pdl.install()
-        return jit(pdl.with_prologue(f))
+        return pdl.marked(jit(pdl.with_prologue(f)))
     return deco(fn) if fn is not None else deco
 
 

@@ -15,9 +15,10 @@ How pocketfm uses it (``device.kernel`` applies it to every kernel when ``ENABLE
 - no kernel triggers its successor early (``griddepcontrol.launch_dependents`` at the top of
   every kernel measured 4% slower on the H200; not investigated, a likely cause is the
   successor's blocks parked at their wait on SMs), so the trigger is each block's exit;
-- launches carry the serialization attribute (``install`` wraps numba's launch function;
-  cooperative launches keep numba's path). ``USE_ATTRIBUTE = False`` launches the same
-  kernels plainly (the wait then returns at once): for A/B measurements.
+- their launches carry the serialization attribute (``install`` wraps numba's launch
+  function, ``marked`` each of these kernels; numba's own kernels and cooperative launches
+  keep numba's path). ``USE_ATTRIBUTE = False`` launches the same kernels plainly (the wait
+  then returns at once): for A/B measurements.
 
 Off in the simulator, on a GPU below sm_90 (``device_takes_it``), and where ``POCKETFM_PDL``
 is 0 / off / false / no. The prologue is sm_90 PTX, which CI lane B compiles and checks
@@ -109,13 +110,16 @@ def check_prologue(ptx: str) -> str | None:
 
 
 _installed: list = []
+_launching: list = []  # non-empty while one of pocketfm's kernels (with the prologue) launches
 
 
 def install() -> None:
-    """Launch numba's kernels with programmatic stream serialization (once per process; a
-    no-op unless ENABLED). numba-cuda launches through ``cuda.core.launch(stream, config,
-    kernel, *args)``; its dispatcher's reference to that function is wrapped so that every
-    non-cooperative launch config carries the attribute."""
+    """Let pocketfm's kernels launch with programmatic stream serialization (once per process;
+    a no-op unless ENABLED). numba-cuda launches through ``cuda.core.launch(stream, config,
+    kernel, *args)``; its dispatcher's reference to that function is wrapped so that the launch
+    config carries the attribute, but only inside ``marked`` dispatchers' calls: numba's own
+    kernels (a device array's slice assignment launches one) have no prologue, and with the
+    attribute they could start before their predecessor had finished."""
     if _installed or not ENABLED:
         return
     from numba.cuda import dispatcher
@@ -123,9 +127,29 @@ def install() -> None:
     core_launch = dispatcher.launch
 
     def launch(stream, config, kern, *args):
-        if USE_ATTRIBUTE and not getattr(config, "is_cooperative", False):
-            config.programmatic_stream_serialization = True
+        configure(config)
         core_launch(stream, config, kern, *args)
 
     dispatcher.launch = launch
     _installed.append(core_launch)
+
+
+def configure(config) -> None:
+    """Set the attribute on a cuda.core launch config if a ``marked`` kernel is launching."""
+    if _launching and USE_ATTRIBUTE and not getattr(config, "is_cooperative", False):
+        config.programmatic_stream_serialization = True
+
+
+def marked(disp):
+    """``disp`` (a kernel compiled from ``with_prologue``) with its launches marked for the
+    attribute: its ``call``, which every ``disp[grid, block, stream](...)`` goes through."""
+    call = disp.call
+
+    def marked_call(args, launch_config):
+        _launching.append(True)
+        try:
+            return call(args, launch_config)
+        finally:
+            _launching.pop()
+    disp.call = marked_call
+    return disp

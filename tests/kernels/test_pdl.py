@@ -63,3 +63,59 @@ def test_without_a_driver_it_assumes_the_sm90_target():
     if _driver_answers():
         pytest.skip("a GPU driver answers here: the capability decides")
     assert pdl.device_takes_it() is True
+
+
+class _Config:  # what configure reads and writes of a cuda.core LaunchConfig
+    is_cooperative = False
+    programmatic_stream_serialization = False
+
+
+class _Dispatcher:
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    def call(self, args, launch_config):
+        from pocketfm.kernels import pdl
+
+        pdl.configure(launch_config)
+        if self.fail:
+            raise RuntimeError("launch failed")
+        return args
+
+
+def test_only_marked_kernels_launch_with_the_attribute():
+    """numba's own kernels (a device array's slice assignment) have no prologue: launched with
+    the attribute they could overlap their predecessor, so only pocketfm's marked kernels get
+    it, and a failing launch leaves nothing marked."""
+    from pocketfm.kernels import pdl
+
+    plain, cfg = _Config(), _Config()
+    _Dispatcher().call((), plain)
+    assert plain.programmatic_stream_serialization is False
+    assert pdl.marked(_Dispatcher()).call((1,), cfg) == (1,)
+    assert cfg.programmatic_stream_serialization is True
+    coop = _Config()
+    coop.is_cooperative = True
+    pdl.marked(_Dispatcher()).call((), coop)
+    assert coop.programmatic_stream_serialization is False
+    with pytest.raises(RuntimeError):
+        pdl.marked(_Dispatcher(fail=True)).call((), _Config())
+    after = _Config()
+    _Dispatcher().call((), after)
+    assert after.programmatic_stream_serialization is False
+
+
+def test_device_kernel_marks_its_kernels_outside_the_simulator():
+    """device.kernel compiles the prologue in and marks the dispatcher (numba's launch
+    configuration calls ``dispatcher.call``, the instance attribute marked() sets)."""
+    code = ("from pocketfm.kernels import device, pdl\n"
+            "def k(out):\n    out[0] = 1\n"
+            "d = device.kernel(k)\n"
+            "print(pdl.ENABLED, d.call.__name__, d.py_func.__name__)\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", POCKETFM_PDL="1")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    if p.stdout.split()[0] == "False":
+        pytest.skip("a GPU below sm_90 answers here")
+    assert p.stdout.split() == ["True", "marked_call", "k"]
