@@ -680,6 +680,7 @@ def bench_cases(stream):
         _hc_pre_finish_u[T, nf, stream](u, X, part, base, scale, np.float32(1e-6),
                                         np.float32(1e-6), splits, u,
                                         device.empty_vector(np.float32))
+
     def post_then_pre():  # the decode's sublayer boundary: the last post inside the next mix
         hc_pre(u, post, comb, Xn, fn, base, scale, 1e-6, 1e-6, 20, stream, side=side,
                post_from=(f, X, post, comb))

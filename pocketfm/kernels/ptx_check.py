@@ -71,6 +71,17 @@ def _names(argv, flag):
     return set(argv[i + 1].split(",")) if i + 1 < len(argv) else {""}
 
 
+def nvjitlink_missing() -> str | None:
+    """None if libnvJitLink loads (the ``[ptx]`` extra's wheel), else why not."""
+    try:
+        from cuda.bindings import nvjitlink
+
+        nvjitlink.destroy(nvjitlink.create(1, ["-arch=sm_90"]))
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def _assemble(ptx: str, name: str) -> str | None:
     """Assemble ``ptx`` for sm_90 with nvJitLink (ptxas inside): None, or the first line of its
     error log. NVVM can emit PTX that ptxas refuses (a branch to a label it never defined,
@@ -115,12 +126,9 @@ def main(argv=None) -> int:
     except Exception as e:  # no libnvvm: the wheels are not installed
         print(f"ptx_check: NVVM unavailable ({type(e).__name__}: {e})")
         return 3
-    try:
-        from cuda.bindings import nvjitlink
-
-        nvjitlink.destroy(nvjitlink.create(1, ["-arch=sm_90"]))  # loads libnvJitLink
-    except Exception as e:
-        print(f"ptx_check: nvJitLink unavailable ({type(e).__name__}: {e})")
+    missing = nvjitlink_missing()
+    if missing:
+        print(f"ptx_check: nvJitLink unavailable ({missing})")
         return 3
     _pretend_sm90_device()
     failed, n, t0 = [], 0, time.time()
