@@ -434,32 +434,44 @@ def _iq2_xxs_aux(planes, e, n, sl):
 
 
 @cuda.jit(device=True)
+def _sign_bits(s):
+    """The low 4 bits of s spread to the low bit of 4 bytes (byte k: bit k)."""
+    return uint32(((s & uint32(15)) * uint32(0x00204081)) & uint32(0x01010101))
+
+
+@cuda.jit(device=True)
 def _iq2_xxs_dot(u, d, unused, wa, wb, xh, xl, xsum, tab, lane):
     # tab: the grid rows' magnitude bytes g (8, 25 or 43), GRID_REPS copies apart. The signs are
     # made in registers (no table: shared-memory lookups were the kernel's main stall): the
     # 7-bit sign index s gets its parity bit (an even count of minus signs), each half's 4 bits
     # are spread to the low bit of 4 bytes (x 0x00204081: no two shifted copies overlap, so no
     # carries), and a byte with its bit set becomes -g = (g ^ 0xFF) + 1 (no carry out: g > 0).
+    # Each half of a grid row has its own pair of dp4a sums: four chains 4 deep instead of two
+    # 8 deep (H200, 6 experts' gate+up: 34.3 -> 28.8 µs, the same sums exactly).
     acc = float32(0)
     grow = lane % GRID_REPS
     for g in range(2):
         w = wa if g == 0 else wb
         idx4 = _half(w, 0)
         sw = _half(w, 1)
-        hi = int32(0)  # <= 32 * 43 * 128
-        lo = int32(0)
+        hi0 = int32(0)  # each <= 16 * 43 * 128
+        lo0 = int32(0)
+        hi1 = int32(0)
+        lo1 = int32(0)
         for i in range(4):
             mag = tab[int32((idx4 >> uint32(8 * i)) & uint32(255)) * GRID_REPS + grow]
             s7 = (sw >> uint32(7 * i)) & uint32(127)
             s8 = s7 | ((uint32(cuda.popc(s7)) & uint32(1)) << uint32(7))
-            for hh in range(2):
-                bits = uint32((((s8 >> uint32(4 * hh)) & uint32(15)) * uint32(0x00204081))
-                              & uint32(0x01010101))
-                c = uint32((_half(mag, hh) ^ (bits * uint32(255))) + bits)
-                hi = _dp4a_ss(c, xh[8 * g + 2 * i + hh], hi)
-                lo = _dp4a_su(c, xl[8 * g + 2 * i + hh], lo)
+            b0 = _sign_bits(s8)
+            b1 = _sign_bits(s8 >> uint32(4))
+            c0 = uint32((_half(mag, 0) ^ (b0 * uint32(255))) + b0)
+            c1 = uint32((_half(mag, 1) ^ (b1 * uint32(255))) + b1)
+            hi0 = _dp4a_ss(c0, xh[8 * g + 2 * i], hi0)
+            lo0 = _dp4a_su(c0, xl[8 * g + 2 * i], lo0)
+            hi1 = _dp4a_ss(c1, xh[8 * g + 2 * i + 1], hi1)
+            lo1 = _dp4a_su(c1, xl[8 * g + 2 * i + 1], lo1)
         db = d * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
-        acc += db * float32(hi * 256 + lo)
+        acc += db * float32((hi0 + hi1) * 256 + lo0 + lo1)
     return acc
 
 
