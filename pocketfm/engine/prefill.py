@@ -39,6 +39,7 @@ from ..kernels.embed_sample import embed
 from ..kernels.gemv import gemv
 from ..kernels.hc import hc_post, hc_pre
 from ..kernels.indexer import indexer_scores_chunk, topk_chunk
+from ..kernels import imma
 from ..kernels.mma import expert_order, gemm_mma, supports
 from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
 from ..kernels.norm_rope import rmsnorm, rope
@@ -246,21 +247,29 @@ class ChunkPrefill:
         Tk = T * k
         x_rep, gu, h, down = self.x_rep[:Tk], self.gate_up[:Tk], self.h[:Tk], self.down[:Tk]
         flat_ids = ids.reshape(Tk)
-        broadcast_rows(x_rep, v, s, threads=nt)
         # on a GPU: tensor cores over the rows grouped by expert, so each expert's weight tile
-        # is filled once for all its rows (the simulator keeps the expert-indexed GEMV)
+        # is filled once for all its rows (the simulator keeps the expert-indexed GEMV); on
+        # the int8 ones (imma.py) x is read per token (no copies) and the down's x is made
+        # from gate|up through the SwiGLU in its preparation (no h)
         grouped = not SIMULATOR and supports(L.gate_up) and supports(L.down)
         if grouped:
             order, tiles = self.route_order[:Tk], self.route_tiles
             expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
-            gemm_mma(gu, L.gate_up, x_rep, flat_ids, order, s, tiles=tiles)
+        if grouped and imma.takes(L.gate_up) and imma.takes(L.down):
+            imma.gemm_imma(gu, L.gate_up, v, flat_ids, order, s, tiles=tiles, x_div=k)
+            h_limbs = imma.prepare_x_swiglu(gu, w.reshape(Tk), cfg.swiglu_clamp[i], s)
+            imma.gemm_imma_prepared(down, L.down, h_limbs, flat_ids, order, s, tiles=tiles)
         else:
-            gemv(gu, L.gate_up, x_rep, flat_ids, s, threads=nt)
-        swiglu_fused(h, gu, w.reshape(Tk), cfg.swiglu_clamp[i], s, threads=nt)
-        if grouped:
-            gemm_mma(down, L.down, h, flat_ids, order, s, tiles=tiles)
-        else:
-            gemv(down, L.down, h, flat_ids, s, threads=nt)
+            broadcast_rows(x_rep, v, s, threads=nt)
+            if grouped:
+                gemm_mma(gu, L.gate_up, x_rep, flat_ids, order, s, tiles=tiles)
+            else:
+                gemv(gu, L.gate_up, x_rep, flat_ids, s, threads=nt)
+            swiglu_fused(h, gu, w.reshape(Tk), cfg.swiglu_clamp[i], s, threads=nt)
+            if grouped:
+                gemm_mma(down, L.down, h, flat_ids, order, s, tiles=tiles)
+            else:
+                gemv(down, L.down, h, flat_ids, s, threads=nt)
         shared = self.sh_down[:T]  # stays zero when the model has no shared expert
         if L.shared_gate_up is not None:
             sgu, sh = self.sh_gate_up[:T], self.sh_h[:T]

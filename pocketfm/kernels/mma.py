@@ -657,7 +657,7 @@ def _no_tiles():
 
 
 def gemm_mma(out, w: QWeight, x, ids=None, order=None, stream=0, split_k=None,
-             narrow=None, tiles=None) -> None:
+             narrow=None, tiles=None, int8=None) -> None:
     """out float32 [T, N] (device) = W · x[t], or W[ids[t]] · x[t]; x float32 [T, K].
     ``order`` (int32 [T], from expert_order) lists the rows grouped by expert; without it the
     rows are taken as they come (right, and fast when already grouped). ``tiles`` (with ids and
@@ -665,9 +665,14 @@ def gemm_mma(out, w: QWeight, x, ids=None, order=None, stream=0, split_k=None,
     expert's weight tile is filled once per EXPERT_TILE of its rows. ``split_k`` forces the
     K splits (default: enough for two blocks per SM; none with ids), ``narrow`` the 32-token
     tile (default: with tiles, or with ids and fewer than NARROW_ROWS_PER_EXPERT rows per
-    expert)."""
+    expert). ``int8``: run Q8_0 / IQ2_XXS / Q2_K on imma.py's int8 MMAs (default: on a GPU,
+    ``imma.takes``), not this module's bf16 codes kernel (which split_k / narrow ask for)."""
     T, N, K = x.shape[0], w.rows, w.cols
     assert out.shape == (T, N) and supports(w), (out.shape, w, x.shape)
+    from . import imma  # builds on this module
+    if (imma.takes(w) if int8 is None else int8) and split_k is None and narrow is None:
+        imma.gemm_imma(out, w, x, ids, order, stream, tiles)  # int8 tensor cores
+        return
     per_token = ids is not None
     assert tiles is None or (per_token and order is not None), "tiles come with ids and order"
     kernels = _KERNELS[w.qtype]
@@ -740,8 +745,9 @@ def bench_cases(stream) -> list[BenchCase]:
             got = out.copy_to_host(stream=stream)[:, :rows]
             stream.synchronize()
             return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        cases.append(BenchCase("mma", f"gemm_mma q8_0 {name} {T} tok x {N}x{K}",
-                               lambda out=out, dev=dev, x=x: gemm_mma(out, dev, x, stream=stream),
+        def run(out=out, dev=dev, x=x):
+            gemm_mma(out, dev, x, stream=stream, int8=False)
+        cases.append(BenchCase("mma", f"gemm_mma q8_0 {name} {T} tok x {N}x{K}", run,
                                dev.nbytes + 4 * T * (N + K), 2 * T * N * K, check=check))
     E, k = 256, 6
     ids_h = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32).ravel()
@@ -757,11 +763,11 @@ def bench_cases(stream) -> list[BenchCase]:
 
         def grouped(out=out, dev=dev, x=x):
             expert_order(order, ids, E, stream)
-            gemm_mma(out, dev, x, ids, order, stream)
+            gemm_mma(out, dev, x, ids, order, stream, int8=False)
 
         def aligned(out=out, dev=dev, x=x):
             expert_order(order, ids, E, stream, tiles=tiles)
-            gemm_mma(out, dev, x, ids, order, stream, tiles=tiles)
+            gemm_mma(out, dev, x, ids, order, stream, tiles=tiles, int8=False)
 
         def dp4a(out=out, dev=dev, x=x, spec=spec):
             gemv_lowbit._launch(spec, out, dev, x, ids, stream, None, "decode")
