@@ -8,22 +8,23 @@ These three types are small integers times a scale, so the weights go into the M
 are, int8, built in registers straight from the packed planes (loaded a K step ahead): no
 weight tile in shared memory.
 
-x goes in as two int8 limbs per value, the decode GEMVs' quantisation (gemv_lowbit's x slots,
-32-column slots here): per 32 columns of a row s = max|x| / 32000, q = round(x / s) =
-256·hi + lo with hi signed and lo unsigned, so x ≈ s·q to 15 bits of the slot's largest value
-(rel. error ~2e-5 at V4 shapes, as the decode GEMVs). A K step of 32 columns is one MMA per
-limb (s8·s8, then s8·u8 accumulating onto 256·I_hi: I = 256·I_hi + I_lo, exact in int32),
-then one float update per output:
-    Q8_0, IQ2_XXS  acc += (d_row · s) · I                    (d_row: the row's 32-column scale)
-    Q2_K           acc += s · (d · I - dmin · (m0·Σq_0 + m1·Σq_1))
+x goes in as three int8 limbs per value: per 32 columns of a row s = max|x| / (2^22 - 1),
+q = round(x / s) = 65536·hi + 256·mid + lo (hi signed, mid and lo unsigned), so x ≈ s·q to 22
+bits of the slot's largest value. (Two limbs, the decode GEMVs' 15 bits, measured too coarse
+for the prefill: on `small` after a 1K prompt the greedy tokens left NumPy's at step 11.) A K
+step of 32 columns is three MMAs: A·hi, then A·mid accumulating onto 256·(A·hi) (exact in
+int32, < 2^27), and A·lo; f = 256·that + A·lo in float32, then one update per output:
+    Q8_0, IQ2_XXS  acc += (d_row · s) · f                    (d_row: the row's 32-column scale)
+    Q2_K           acc += s · (d · f - dmin · (m0·Σq_0 + m1·Σq_1))
 Q2_K's 4-bit sub-block scale is folded into the codes (q·sc <= 45 fits a byte) and its mins
 use the sums of q per 16 columns, which the x preparation makes anyway.
 
 Fragments (PTX ISA, mma.m16n8k32 .s8): lane (g = lane / 4, c = lane % 4) holds A words
-(row g, columns 4c..4c+3), (g+8, 4c..), (g, 16+4c..), (g+8, 16+4c..), B words (token g, the
-same columns 4c.. and 16+4c..), and C (row g, tokens 2c, 2c+1), (g+8, 2c, 2c+1). A word is
-4 bytes = 4 consecutive columns, the packed planes' own order for Q8_0 and Q2_K; IQ2_XXS
-takes 4 magnitudes of its grid row and their sign bytes from a 3 KB table in shared memory.
+(row g, MMA columns 4c..4c+3), (g+8, 4c..), (g, 16+4c..), (g+8, 16+4c..), B words (token g,
+the same columns) and C (row g, tokens 2c, 2c+1), (g+8, 2c, 2c+1). MMA columns 4c.. and
+16+4c.. are the K step's columns 8c..8c+7 (for A and B alike), so a lane's weights are one
+8-byte word: Q8_0's codes and Q2_K's 2-bit codes as packed; IQ2_XXS one grid row with its
+sign masks, from a 3 KB table in shared memory.
 
 Block: 4 warps, each 32 weight rows x 32 tokens (2 x 4 MMA tiles), so a block is 128 rows x
 32 tokens; rows: dense tokens, or the MoE's (token, expert) rows in expert_order's tiles as
@@ -41,10 +42,10 @@ from numba import cuda, float32, int32, uint32, uint64
 from ..engine.layout import expert_tiles_capacity
 from ..quants import IQ2XXS_GRID, KSIGNS_IQ2XS, GGMLType
 from .bench import BenchCase
-from .device import SIMULATOR, cdiv, kernel, stream_buffer
+from .device import SIMULATOR, cdiv, kernel, stream_buffer, xor_shfl
 from .gemv import _dummies, gemv_ref
-from .gemv_lowbit import PREP_THREADS, _x_slots_kernel
-from .lowbit_layout import _half
+from .gemv_lowbit import PREP_THREADS, swiglu_scalar
+from .lowbit_layout import _f32_bits, _half
 from .mma import ALIGNED, _device_const, _next_expert, _no_tiles, _tile_rows, expert_order
 from .qweight import QWeight
 
@@ -57,6 +58,7 @@ CH = 256  # columns of x staged in shared memory at a time (8 K steps)
 XW = CH // 4 + 4  # a token's staged words, padded: the fragment reads hit 32 distinct banks
 XS_W, XM_W = CH // KT, CH // 16  # a token's staged scales and sums
 XCH = 128 * 6 if SIMULATOR else 1  # simulator MMA exchange: 6 fragment words per thread
+XCH_PREP = PREP_THREADS if SIMULATOR else 1  # simulator lane exchange of the x preparation
 TYPES = (GGMLType.Q8_0, GGMLType.IQ2_XXS, GGMLType.Q2_K)
 
 
@@ -128,29 +130,95 @@ else:
         return _imma_su(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
 
-# ---- x: two int8 limbs per value (gemv_lowbit's quantiser, 32-column slots in column order) ------
+# ---- x: three int8 limbs per value, 32-column slots -------------------------------------------
+Q_MAX = 4194303  # |q| <= 2^22 - 1: q = 65536·hi + 256·mid + lo, hi in [-64, 63]
+MAGIC = 12582912.0  # 1.5·2^23: adding it rounds a float32 below 2^22 to an integer (half to even)
+
+
 @cuda.jit(device=True)
-def _column_order(slot, word):
-    """First column of word ``word`` of slot ``slot``: slots are consecutive 32 columns."""
-    return KT * slot + 4 * word
+def _round_q(v, inv):
+    return int32(_f32_bits(v * inv + float32(MAGIC))) - int32(0x4B400000)
 
 
-_prep_x, _prep_x_swiglu = _x_slots_kernel(_column_order, KT)
+@cuda.jit(device=True)
+def _limb_bytes(q0, q1, q2, q3, shift):
+    """Byte ``shift`` / 8 of four int32 codes, packed into one word (column order)."""
+    sh = uint32(shift)
+    return ((uint32(q0 >> sh) & uint32(255)) | ((uint32(q1 >> sh) & uint32(255)) << uint32(8))
+            | ((uint32(q2 >> sh) & uint32(255)) << uint32(16))
+            | ((uint32(q3 >> sh) & uint32(255)) << uint32(24)))
+
+
+@cuda.jit(device=True)
+def _store_limbs(xq, xl, xsum, xs, b, i, K, v0, v1, v2, v3):
+    """Thread i quantises columns 4i .. 4i+3 of row b: per 32-column slot (8 threads, xor
+    butterflies: every thread of the block takes part; i past K / 4 stores nothing)
+    s = max|x| / Q_MAX, q = round(x / s); hi | mid << 32 into xq[b, i], lo into xl[b, i], Σq per
+    16 columns into xsum, s per slot into xs."""
+    xch = cuda.shared.array(XCH_PREP, float32)
+    a = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
+    for off in (4, 2, 1):
+        a = max(a, xor_shfl(a, off, xch))
+    inv = float32(Q_MAX) / a if a > 0 else float32(0)
+    q0, q1, q2, q3 = _round_q(v0, inv), _round_q(v1, inv), _round_q(v2, inv), _round_q(v3, inv)
+    # Σq over 16 columns reaches 2^26, past float32's integers (the simulator's shuffles carry
+    # float32): summed as q = 2048·(q >> 11) + (q & 2047), each part exact
+    s_hi = float32((q0 >> 11) + (q1 >> 11) + (q2 >> 11) + (q3 >> 11))
+    s_lo = float32((q0 & 2047) + (q1 & 2047) + (q2 & 2047) + (q3 & 2047))
+    for off in (1, 2):
+        s_hi += xor_shfl(s_hi, off, xch)
+        s_lo += xor_shfl(s_lo, off, xch)
+    if i < K // 4:
+        xq[b, i] = (uint64(_limb_bytes(q0, q1, q2, q3, 16))
+                    | (uint64(_limb_bytes(q0, q1, q2, q3, 8)) << uint64(32)))
+        xl[b, i] = _limb_bytes(q0, q1, q2, q3, 0)
+        if i % 4 == 0:
+            xsum[b, i // 4] = int32(s_hi) * 2048 + int32(s_lo)
+        if i % 8 == 0:
+            xs[b, i // 8] = a / float32(Q_MAX)
+
+
+@kernel
+def _prep_x(xq, xl, xsum, xs, x):
+    """Grid (K / 4 / PREP, R): x[b] in limbs (``_store_limbs``)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    b = cuda.blockIdx.y
+    K = x.shape[1]
+    c0 = 4 * i if i < K // 4 else 0
+    _store_limbs(xq, xl, xsum, xs, b, i, K, x[b, c0], x[b, c0 + 1], x[b, c0 + 2], x[b, c0 + 3])
+
+
+@kernel
+def _prep_x_swiglu(xq, xl, xsum, xs, gate_up, w, clamp):
+    """As _prep_x for h[b] = swiglu_scalar(gate, up, w[b], clamp) of gate_up[b] = [gate | up]
+    (moe.swiglu's float32 formula: the h a SwiGLU launch would write)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    b = cuda.blockIdx.y
+    F = gate_up.shape[1] // 2
+    c0 = 4 * i if i < F // 4 else 0
+    wb = w[b]
+    _store_limbs(xq, xl, xsum, xs, b, i, F,
+                 swiglu_scalar(gate_up[b, c0], gate_up[b, F + c0], wb, clamp),
+                 swiglu_scalar(gate_up[b, c0 + 1], gate_up[b, F + c0 + 1], wb, clamp),
+                 swiglu_scalar(gate_up[b, c0 + 2], gate_up[b, F + c0 + 2], wb, clamp),
+                 swiglu_scalar(gate_up[b, c0 + 3], gate_up[b, F + c0 + 3], wb, clamp))
 
 
 def _x_buffers(stream, rows: int, K: int):
-    """(xq, xsum, xs) for ``rows`` rows: stream-private, sized up to a power of two of rows so
-    that a prompt's chunks (the last one shorter) share one allocation."""
+    """(xq, xl, xsum, xs) for ``rows`` rows: stream-private, sized up to a power of two of rows
+    so that a prompt's chunks (the last one shorter) share one allocation."""
     cap = 1 << max(6, (rows - 1).bit_length())
-    xq = stream_buffer("imma x limbs", stream, (cap, K // 4), np.uint64)[:rows]
+    xq = stream_buffer("imma x hi|mid", stream, (cap, K // 4), np.uint64)[:rows]
+    xl = stream_buffer("imma x lo", stream, (cap, K // 4), np.uint32)[:rows]
     xsum = stream_buffer("imma x sums", stream, (cap, K // 16), np.int32)[:rows]
     xs = stream_buffer("imma x scales", stream, (cap, K // KT), np.float32)[:rows]
-    return xq, xsum, xs
+    return xq, xl, xsum, xs
 
 
 def prepare_x(x, stream=0):
-    """x float32 [R, K] -> (xq uint64 [R, K/4] (hi word | lo word << 32, 4 columns each),
-    xsum int32 [R, K/16] (Σq per 16 columns), xs float32 [R, K/32] (s per slot))."""
+    """x float32 [R, K] -> (xq uint64 [R, K/4] (hi word | mid word << 32, 4 columns a word),
+    xl uint32 [R, K/4] (lo words), xsum int32 [R, K/16] (Σq per 16 columns), xs float32
+    [R, K/32] (s per slot))."""
     R, K = x.shape
     bufs = _x_buffers(stream, R, K)
     _prep_x[(cdiv(K // 4, PREP_THREADS), R), PREP_THREADS, stream](*bufs, x)
@@ -167,31 +235,36 @@ def prepare_x_swiglu(gate_up, weights, clamp: float, stream=0):
     return bufs
 
 
-# ---- A fragments per type: load(planes, e, n, k0, c) -> raw words (loads only: issued a step
-# ahead); frag(raw, tab, c, k0) ->
-# (word of columns 4c.., word of columns 16+4c.., scale, dmin, m0, m1) for row n at K step k0.
+# ---- A fragments per type ------------------------------------------------------------------------
+# Lane c of a quad owns the 8 consecutive columns 8c .. 8c+7 of the K step: its fragment words
+# (MMA columns 4c.. and 16+4c..) are columns 8c..8c+3 and 8c+4..8c+7, for A and B alike (a dot
+# product does not mind the order of its terms). So a lane's weights are one 8-byte word of the
+# planes (Q8_0, Q2_K) or one IQ2_XXS grid row, and its x two adjacent limb words.
+# load(planes, e, n, k0, c) -> raw words (loads only: issued a K step ahead);
+# frag(raw, tab, c, k0) -> (A word of columns 8c.., of 8c+4.., scale, dmin, m0, m1) of row n.
 @cuda.jit(device=True)
 def _q8_0_load(planes, e, n, k0, c):
-    qs, d = planes
-    return qs[e, n, (k0 >> 2) + c], qs[e, n, (k0 >> 2) + 4 + c], d[e, n, k0 >> 5]
+    qs, d = planes  # qs viewed as uint64: 8 codes a word
+    return qs[e, n, (k0 >> 3) + c], d[e, n, k0 >> 5]
 
 
 @cuda.jit(device=True)
 def _q8_0_frag(raw, tab, c, k0):
-    q0, q1, d = raw
-    z = int32(0)
-    return uint32(q0), uint32(q1), float32(d), float32(0), z, z
+    w, d = raw
+    z = float32(0)
+    return _half(w, 0), _half(w, 1), float32(d), z, z, z
 
 
-# IQ2_XXS: 256 grid rows of 8 magnitude bytes (2 words each), then the 128 sign indices as
-# byte masks (0xFF: negative; 2 words each). A signed byte is (m ^ s) + (s & 1): magnitudes are
-# 8..43, so the negation's +1 never carries into the next byte.
+# IQ2_XXS: the 256 grid rows as 8 magnitude bytes (a uint64 each), then the 128 sign indices as
+# 8 byte masks (0xFF: negative). A signed byte is (m ^ s) + (s & 1): magnitudes are 8..43, so
+# the negation's +1 never carries into the next byte.
 _GRID_BYTES = IQ2XXS_GRID.astype(np.uint8).reshape(256, 8)
 _SIGN_BYTES = np.where((KSIGNS_IQ2XS[:, None].astype(np.int64) >> np.arange(8)) & 1, 255,
                        0).astype(np.uint8)
-IQ2_TAB = np.concatenate([_GRID_BYTES.view(np.uint32).ravel(), _SIGN_BYTES.view(np.uint32).ravel()])
-IQ2_SIGNS = 512  # first sign word in IQ2_TAB
-TAB_WORDS = len(IQ2_TAB)  # 768
+IQ2_TAB = np.concatenate([_GRID_BYTES.view(np.uint64).ravel(),
+                          _SIGN_BYTES.view(np.uint64).ravel()])
+IQ2_SIGNS = 256  # first sign mask in IQ2_TAB
+TAB_WORDS = len(IQ2_TAB)  # 384
 
 
 @cuda.jit(device=True)
@@ -201,47 +274,38 @@ def _iq2_xxs_load(planes, e, n, k0, c):
 
 
 @cuda.jit(device=True)
-def _iq2_signed(tab, grids, sw, sub, half):
-    """Columns 4·half .. 4·half+3 of 8-column group ``sub``, as 4 signed bytes."""
-    mag = tab[2 * int32((grids >> uint32(8 * sub)) & uint32(255)) + half]
-    neg = tab[IQ2_SIGNS + 2 * int32((sw >> uint32(7 * sub)) & uint32(127)) + half]
-    return (mag ^ neg) + (neg & uint32(0x01010101))
-
-
-@cuda.jit(device=True)
 def _iq2_xxs_frag(raw, tab, c, k0):
     w, d = raw
     grids, sw = _half(w, 0), _half(w, 1)
-    sub, half = c >> 1, c & 1
-    z = int32(0)
+    mag = tab[int32((grids >> uint32(8 * c)) & uint32(255))]  # grid row c: columns 8c ..
+    neg = tab[IQ2_SIGNS + int32((sw >> uint32(7 * c)) & uint32(127))]
+    v = (mag ^ neg) + (neg & uint64(0x0101010101010101))
+    z = float32(0)
     db = float32(d) * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
-    return (_iq2_signed(tab, grids, sw, sub, half), _iq2_signed(tab, grids, sw, sub + 2, half),
-            db, float32(0), z, z)
+    return _half(v, 0), _half(v, 1), db, z, z, z
 
 
 @cuda.jit(device=True)
 def _q2_k_load(planes, e, n, k0, c):
     """The K step's 32 columns are one (half h, shift j) of a super-block: bytes 32h .. 32h+31
-    of its 64 qs bytes (planes[0] viewed as uint32 words here), sub-blocks 8h + 2j (columns
-    0-15) and 8h + 2j + 1 (16-31)."""
+    of its 64 qs bytes (lane c: 32h + 8c ..), sub-blocks 8h + 2j (columns 0-15, scale word
+    2h) and 8h + 2j + 1 (16-31, word 2h + 1)."""
     qs, sc, dm = planes
     s, h = k0 >> 8, (k0 >> 7) & 1
-    q = s * 16 + 8 * h + c
-    return (qs[e, n, q], qs[e, n, q + 4], sc[e, n, 4 * s + 2 * h], sc[e, n, 4 * s + 2 * h + 1],
+    return (qs[e, n, s * 8 + 4 * h + c], sc[e, n, 4 * s + 2 * h], sc[e, n, 4 * s + 2 * h + 1],
             dm[e, n, 2 * s], dm[e, n, 2 * s + 1])
 
 
 @cuda.jit(device=True)
 def _q2_k_frag(raw, tab, c, k0):
-    w0, w1, sc0, sc1, d, dmin = raw
+    w, sc0, sc1, d, dmin = raw
     j = (k0 >> 5) & 3
     b0 = int32((sc0 >> uint32(8 * j)) & uint32(255))
     b1 = int32((sc1 >> uint32(8 * j)) & uint32(255))
-    three = uint32(0x03030303)
-    q0 = (w0 >> uint32(2 * j)) & three
-    q1 = (w1 >> uint32(2 * j)) & three
-    return (q0 * uint32(b0 & 15), q1 * uint32(b1 & 15), float32(d), float32(dmin), b0 >> 4,
-            b1 >> 4)
+    q = (w >> uint64(2 * j)) & uint64(0x0303030303030303)
+    v = q * uint64((b0 if c < 2 else b1) & 15)  # q·sc <= 45: no carry between bytes
+    return (_half(v, 0), _half(v, 1), float32(d), float32(dmin), float32(b0 >> 4),
+            float32(b1 >> 4))
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
@@ -253,41 +317,48 @@ def _x_row(rows, exps, j, e, x_div):
 
 
 @cuda.jit(device=True)
-def _stage_x(xq_s, xs_s, xm_s, xq, xsum, xs, xr, kc, K, MINS):
+def _stage_x(xq_s, xl_s, xs_s, xm_s, xq, xl, xsum, xs, xr, kc, K, MINS):
     """The tile's x for columns [kc, kc + CH) into shared memory, coalesced: limb words, the
-    slots' scales and (Q2_K) Σq per 16 columns; zeros for entries that are not this pass's."""
+    slots' scales and (Q2_K) Σq per 16 columns (as float32); zeros for entries that are not
+    this pass's."""
     tid = cuda.threadIdx.x
     nw = min(CH, K - kc) >> 2
     for i in range(tid, BN * (CH // 4), THREADS):
         j, w = i // (CH // 4), i % (CH // 4)
-        v = uint64(0)
+        v, lo = uint64(0), uint32(0)
         if xr[j] >= 0 and w < nw:
-            v = xq[xr[j], (kc >> 2) + w]
-        xq_s[j, w] = v
+            v, lo = xq[xr[j], (kc >> 2) + w], xl[xr[j], (kc >> 2) + w]
+        # word p of a K step to slot p / 2 (even p) or 4 + p / 2 (odd): lane c's two words
+        # (columns 8c ..) land in slots c and c + 4, as the fragment reads take them
+        p = w & 7
+        slot = (w & ~7) + (p >> 1) + 4 * (p & 1)
+        xq_s[j, slot], xl_s[j, slot] = v, lo
     for i in range(tid, BN * (CH // KT), THREADS):
         j, w = i // (CH // KT), i % (CH // KT)
         xs_s[j, w] = xs[xr[j], (kc >> 5) + w] if xr[j] >= 0 and 8 * w < nw else float32(0)
     if MINS:
         for i in range(tid, BN * (CH // 16), THREADS):
             j, w = i // (CH // 16), i % (CH // 16)
-            xm_s[j, w] = xsum[xr[j], (kc >> 4) + w] if xr[j] >= 0 and 4 * w < nw else int32(0)
+            xm_s[j, w] = (float32(xsum[xr[j], (kc >> 4) + w]) if xr[j] >= 0 and 4 * w < nw
+                          else float32(0))
 
 
 def _imma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
     N_TAB = max(TAB, 1)
 
-    def k(out, planes, xq, xsum, xs, ids, order, tiles, tab_g, per_token, x_div, N, K):
+    def k(out, planes, xq, xl, xsum, xs, ids, order, tiles, tab_g, per_token, x_div, N, K):
         tid = cuda.threadIdx.x
         lane, warp = tid & 31, tid >> 5
         g, c = lane >> 2, lane & 3
         n_w = cuda.blockIdx.x * BM + warp * 16 * MI  # the warp's first weight row
-        tab = cuda.shared.array(N_TAB, uint32)
+        tab = cuda.shared.array(N_TAB, uint64)
         rows = cuda.shared.array(BN, int32)
         exps = cuda.shared.array(BN, int32)
         xr = cuda.shared.array(BN, int32)  # x row of each tile entry in this pass, -1: none
-        xq_s = cuda.shared.array((BN, XW), uint64)  # the chunk's x limb words
+        xq_s = cuda.shared.array((BN, XW), uint64)  # the chunk's x hi | mid limb words
+        xl_s = cuda.shared.array((BN, XW), uint32)  # its lo limb words
         xs_s = cuda.shared.array((BN, XS_W), float32)  # its slot scales
-        xm_s = cuda.shared.array((BN, XM_W), int32)  # its Σq per 16 columns (Q2_K)
+        xm_s = cuda.shared.array((BN, XM_W), float32)  # its Σq per 16 columns (Q2_K)
         xch = cuda.shared.array(XCH, np.int64)
         acc = cuda.local.array(N_ACC, float32)
         for i in range(N_ACC):
@@ -311,7 +382,7 @@ def _imma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
             r2, r3 = load(planes, e, n2, 0, c), load(planes, e, n3, 0, c)
             for kc in range(0, K, CH):
                 cuda.syncthreads()  # xr is set; the last chunk's x is no longer read
-                _stage_x(xq_s, xs_s, xm_s, xq, xsum, xs, xr, kc, K, MINS)
+                _stage_x(xq_s, xl_s, xs_s, xm_s, xq, xl, xsum, xs, xr, kc, K, MINS)
                 cuda.syncthreads()
                 for k0 in range(kc, min(kc + CH, K), KT):
                     c0, c1, c2, c3 = r0, r1, r2, r3
@@ -325,29 +396,33 @@ def _imma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
                         a0, a2, sa, ma, m0a, m1a = frag(c0 if mi == 0 else c2, tab, c, k0)
                         a1, a3, sb, mb, m0b, m1b = frag(c1 if mi == 0 else c3, tab, c, k0)
                         for ni in range(NI):
-                            u0 = xq_s[ni * 8 + g, kw + c]
-                            u1 = xq_s[ni * 8 + g, kw + 4 + c]
+                            jb = ni * 8 + g
+                            u0, u1 = xq_s[jb, kw + c], xq_s[jb, kw + 4 + c]
                             z = int32(0)
                             h0, h1, h2, h3 = _imma(a0, a1, a2, a3, _half(u0, 0), _half(u1, 0),
                                                    True, z, z, z, z, xch)
-                            # I = 256·A·hi + A·lo: the lo MMA accumulates onto 256·(A·hi)
-                            i0, i1, i2, i3 = _imma(a0, a1, a2, a3, _half(u0, 1), _half(u1, 1),
+                            # A·(256·hi + mid): the mid MMA accumulates onto 256·(A·hi)
+                            # (|.| < 2^27), then A·lo apart: 256·that + A·lo needs 2^35
+                            m0, m1, m2, m3 = _imma(a0, a1, a2, a3, _half(u0, 1), _half(u1, 1),
                                                    False, h0 << 8, h1 << 8, h2 << 8, h3 << 8,
                                                    xch)
+                            l0, l1, l2, l3 = _imma(a0, a1, a2, a3, xl_s[jb, kw + c],
+                                                   xl_s[jb, kw + 4 + c], False, z, z, z, z, xch)
                             q = (mi * NI + ni) * 4
                             for t in range(2):  # this lane's C tokens 2c, 2c + 1
                                 jc = ni * 8 + 2 * c + t
                                 s = xs_s[jc, ks]
-                                ia, ib = (i0, i2) if t == 0 else (i1, i3)
+                                fa = (float32(m0 if t == 0 else m1) * float32(256)
+                                      + float32(l0 if t == 0 else l1))
+                                fb = (float32(m2 if t == 0 else m3) * float32(256)
+                                      + float32(l2 if t == 0 else l3))
                                 if MINS:
                                     v0, v1 = xm_s[jc, 2 * ks], xm_s[jc, 2 * ks + 1]
-                                    acc[q + t] += s * (sa * float32(ia)
-                                                       - ma * float32(m0a * v0 + m1a * v1))
-                                    acc[q + 2 + t] += s * (sb * float32(ib)
-                                                           - mb * float32(m0b * v0 + m1b * v1))
+                                    acc[q + t] += s * (sa * fa - ma * (m0a * v0 + m1a * v1))
+                                    acc[q + 2 + t] += s * (sb * fb - mb * (m0b * v0 + m1b * v1))
                                 else:
-                                    acc[q + t] += (sa * s) * float32(ia)
-                                    acc[q + 2 + t] += (sb * s) * float32(ib)
+                                    acc[q + t] += (sa * s) * fa
+                                    acc[q + 2 + t] += (sb * s) * fb
             e_prev = e
         for mi in range(MI):
             na = n_w + mi * 16 + g
@@ -391,16 +466,16 @@ def takes(w: QWeight) -> bool:
 
 
 def _planes(w: QWeight):
-    """The planes as the kernels take them: Q2_K's qs as uint32 words (a lane's 4 codes)."""
-    if w.qtype == GGMLType.Q2_K:
-        return (w.planes[0].view(np.uint32),) + tuple(w.planes[1:])
+    """The planes as the kernels take them: Q8_0's codes as uint64 words (a lane's 8)."""
+    if w.qtype == GGMLType.Q8_0:
+        return (w.planes[0].view(np.uint64), w.planes[1])
     return w.planes
 
 
 def _table(w: QWeight):
     if w.qtype == GGMLType.IQ2_XXS:
         return _device_const("imma_iq2_tab", IQ2_TAB)
-    return _device_const("mma_no_tab", np.zeros(1, np.uint32))
+    return _device_const("imma_no_tab", np.zeros(1, np.uint64))
 
 
 def gemm_imma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0, tiles=None,
@@ -408,7 +483,7 @@ def gemm_imma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
     """out float32 [R, N] = W · x[r // x_div] (or W[ids[r]] · ...) on x made by prepare_x /
     prepare_x_swiglu; ``order`` / ``tiles`` as in mma.gemm_mma (expert_order's)."""
     R, N, K = out.shape[0], w.rows, w.cols
-    xq, xsum, xs = x_limbs
+    xq, xl, xsum, xs = x_limbs
     assert supports(w) and out.shape[1] == N and xq.shape[1] * 4 == K, (out.shape, w, xq.shape)
     assert xq.shape[0] * x_div >= R, (xq.shape, x_div, R)
     per_token = ids is not None
@@ -418,7 +493,8 @@ def gemm_imma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
         order = _device_const(f"mma_identity_{R}", np.arange(R, dtype=np.int32))
     gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
     _KERNELS[w.qtype][(cdiv(N, BM), gy), THREADS, stream](
-        out, _planes(w), xq, xsum, xs, ids if per_token else one, order if per_token else one,
+        out, _planes(w), xq, xl, xsum, xs, ids if per_token else one,
+        order if per_token else one,
         _no_tiles() if tiles is None else tiles, _table(w),
         ALIGNED if tiles is not None else int(per_token), x_div, N, K)
 
@@ -444,20 +520,21 @@ def prepare_x_ref(x):
     R, K = x.shape
     a = np.abs(x.reshape(R, K // KT, KT)).max(axis=2)
     with np.errstate(divide="ignore"):
-        inv = np.where(a > 0, np.float32(32000) / a, np.float32(0)).astype(np.float32)
+        inv = np.where(a > 0, np.float32(Q_MAX) / a, np.float32(0)).astype(np.float32)
     q = np.rint(x.reshape(R, K // KT, KT) * inv[:, :, None]).astype(np.int64).reshape(R, K)
-    return q, (a / np.float32(32000)).astype(np.float32)
+    return q, (a / np.float32(Q_MAX)).astype(np.float32)
 
 
 # ---- CI lane B and benchmarks --------------------------------------------------------------------
 _PLANES = {
-    GGMLType.Q8_0: "Tuple((int32[:, :, ::1], float16[:, :, ::1]))",
-    GGMLType.Q2_K: "Tuple((uint32[:, :, ::1], uint32[:, :, ::1], float16[:, :, ::1]))",
+    GGMLType.Q8_0: "Tuple((uint64[:, :, ::1], float16[:, :, ::1]))",
+    GGMLType.Q2_K: "Tuple((uint64[:, :, ::1], uint32[:, :, ::1], float16[:, :, ::1]))",
     GGMLType.IQ2_XXS: "Tuple((uint64[:, :, ::1], float16[:, :, ::1]))",
 }
 PTX_SIGNATURES = [
-    (kern, f"void(float32[:, ::1], {_PLANES[qt]}, uint64[:, ::1], int32[:, ::1], float32[:, ::1], "
-           "int32[::1], int32[::1], int32[:, ::1], uint32[::1], int64, int64, int64, int64)")
+    (kern, f"void(float32[:, ::1], {_PLANES[qt]}, uint64[:, ::1], uint32[:, ::1], "
+           "int32[:, ::1], float32[:, ::1], int32[::1], int32[::1], int32[:, ::1], uint64[::1], "
+           "int64, int64, int64, int64)")
     for qt, kern in _KERNELS.items()]
 
 
