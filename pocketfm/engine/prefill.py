@@ -12,8 +12,9 @@ A chunk runs the decode step's sublayers with every activation [T, ...] instead 
                  (attention_prefill), then the chunk enters the ring; the grouped output
                  projection as one GEMM per group; HC post. MoE: router GEMM, per-token routes,
                  the routed experts over the T·k (token, expert) rows grouped by expert
-                 (expert_order + mma.py's tensor-core GEMM: each expert's weight tile is filled
-                 once for all its rows), the shared expert as GEMMs.
+                 (expert_order + imma.py's int8 tensor-core GEMM, one expert per block: each
+                 expert's weights are read once per 32 of its rows; x read per token, the
+                 SwiGLU inside the down's x preparation), the shared expert as GEMMs.
     no head      the chunk's logits are never needed: prefill stops one token short of the
                  prompt, and the decode step ingests the last prompt token and samples.
 

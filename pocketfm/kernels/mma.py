@@ -29,7 +29,10 @@ words per row: the 32 lanes' fragment reads g·20 + c land in 32 different banks
 
 Two kernels: the split kernel above for F32/F16/BF16/Q4_K/MXFP4, and for the types whose
 weights are small integer codes times a scale (Q8_0, IQ2_XXS, Q2_K) a "codes" kernel with
-exact bf16 codes and two MMAs per tile (see _mma_codes_kernel): only x is rounded.
+exact bf16 codes and two MMAs per tile (see _mma_codes_kernel): only x is rounded. On a GPU
+``gemm_mma`` hands those three types to imma.py's int8 kernel (faster, x to 22 bits); the
+codes kernel stays for the simulator's tests and for A/B runs (``int8=False``,
+POCKETFM_IMMA=0).
 
 Expert-indexed rows (``ids``: the MoE's (token, expert) rows, the grouped output projection's
 (group, token) rows): ``order`` lists the rows grouped by expert (``expert_order``), a tile
