@@ -59,7 +59,6 @@ XW = CH // 4 + 4  # a token's staged words, padded: the fragment reads hit 32 di
 XS_W, XM_W = CH // KT, CH // 16  # a token's staged scales and sums
 XCH = 128 * 6 if SIMULATOR else 1  # simulator MMA exchange: 6 fragment words per thread
 XCH_PREP = PREP_THREADS if SIMULATOR else 1  # simulator lane exchange of the x preparation
-TYPES = (GGMLType.Q8_0, GGMLType.IQ2_XXS, GGMLType.Q2_K)
 
 
 # ---- the MMA instruction -------------------------------------------------------------------------
@@ -309,13 +308,6 @@ def _q2_k_frag(raw, tab, c, k0):
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
-@cuda.jit(device=True)
-def _x_row(rows, exps, j, e, x_div):
-    """The x row of the tile's entry j in expert e's pass; -1 when it is not one of e's rows."""
-    r = rows[j]
-    return int32(r // x_div) if r >= 0 and exps[j] == e else int32(-1)
-
-
 @cuda.jit(device=True)
 def _stage_x(xq_s, xl_s, xs_s, xm_s, xq, xl, xsum, xs, xr, kc, K, MINS):
     """The tile's x for columns [kc, kc + CH) into shared memory, coalesced: limb words, the
