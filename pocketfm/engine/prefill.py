@@ -222,11 +222,12 @@ class ChunkPrefill:
         n_keys = max(1, self.end // c.ratio)  # entries visible to the chunk's last token
         rows = max(1, min(T, self.scores.shape[0] // n_keys))
         visible, sel = self.visible[c.ratio], self.sel[:T]
+        # q_fp4: hadamard_fp4(..., True) left qi_rot on the FP4 grid (exact in bf16)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             scores = self.scores[:(t1 - t0) * n_keys].reshape(t1 - t0, n_keys)
             indexer_scores_chunk(scores, qi_rot[t0:t1], w[t0:t1], keys, visible[t0:t1],
-                                 stream=s, threads=nt, mma=use_mma)
+                                 stream=s, threads=nt, mma=use_mma, q_fp4=True)
             topk_chunk(sel[t0:t1], scores, visible[t0:t1], cfg.index_topk, stream=s,
                        threads=nt)
         sk.sort_selected(sel, s)  # a repeatable order for the attention's sums

@@ -63,14 +63,8 @@ XCH_PREP = PREP_THREADS if SIMULATOR else 1  # simulator lane exchange of the x 
 
 # ---- the MMA instruction -------------------------------------------------------------------------
 if SIMULATOR:
-    def _fragment_index():
-        """(lane, register, byte) of A[r, k] (16 x 32) and B[k, n] (32 x 8) in the fragments."""
-        r, k = np.meshgrid(np.arange(16), np.arange(32), indexing="ij")
-        a = ((r % 8) * 4 + (k % 16) // 4, (r >= 8) + 2 * (k >= 16), k % 4)
-        k, n = np.meshgrid(np.arange(32), np.arange(8), indexing="ij")
-        b = (n * 4 + (k % 16) // 4, 4 + (k >= 16), k % 4)
-        return a, b
-    _FRAG_A, _FRAG_B = _fragment_index()
+    from .mma import fragment_index, warp_fragments
+    _FRAG_A, _FRAG_B = fragment_index(4)  # (lane, register, byte) of A[r, k], B[k, n]
 
     def _byte_matrix(words, frag, signed):
         lane, reg, byte = frag
@@ -81,14 +75,9 @@ if SIMULATOR:
     def _imma(a0, a1, a2, a3, b0, b1, b_signed, c0, c1, c2, c3, xch):
         """One warp's m16n8k32 int8 MMA: (d0, d1, d2, d3) = A·B + C, B signed or not
         (simulator: the fragments exchanged through ``xch``; every thread of the block calls)."""
-        t = cuda.threadIdx.x
-        base, lane = t - t % 32, t % 32
-        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
-            xch[t * 6 + i] = int(v) & 0xFFFFFFFF
-        cuda.syncthreads()
-        words = np.array(xch[base * 6:(base + 32) * 6]).astype(np.uint64).reshape(32, 6)
-        cuda.syncthreads()
+        words = warp_fragments(xch, a0, a1, a2, a3, b0, b1)
         d = _byte_matrix(words, _FRAG_A, True) @ _byte_matrix(words, _FRAG_B, b_signed)
+        lane = cuda.threadIdx.x % 32
         g, c = lane >> 2, lane & 3
         return (int32(d[g, 2 * c] + c0), int32(d[g, 2 * c + 1] + c1),
                 int32(d[g + 8, 2 * c] + c2), int32(d[g + 8, 2 * c + 1] + c3))

@@ -291,14 +291,15 @@ def _use_mma(mma, naive: bool, HI: int, DI: int) -> bool:
 
 
 def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=None,
-                         naive: bool = False, mma=None) -> None:
+                         naive: bool = False, mma=None, q_fp4: bool = False) -> None:
     """out[T, N] f32 <- q[T, HI, DI] f32, w[T, HI] f32, keys_packed[Ncap, bytes] uint8,
     n_visible[T] int32 (prefill: one visible count per token; -inf past it). ``naive`` /
-    ``mma`` (True / False / None: pick) choose the kernel."""
+    ``mma`` (True / False / None: pick) choose the kernel; ``q_fp4``: q is on the FP4 grid
+    (hadamard_fp4's output), which lets the tensor cores take several tokens a block."""
     T, HI, DI = q.shape
     N = out.shape[1]
     if _use_mma(mma, naive, HI, DI):
-        indexer_mma.indexer_scores_chunk_mma(out, q, w, keys_packed, n_visible, stream)
+        indexer_mma.indexer_scores_chunk_mma(out, q, w, keys_packed, n_visible, stream, q_fp4)
         return
     if naive:
         nt = threads or 128
@@ -785,7 +786,8 @@ def bench_cases(stream) -> list[BenchCase]:
     """V4-Flash shapes: HI = 64, DI = 128, k = 512, N = 262,144 (1M context) and 65,536, q on
     the FP4 grid as the model's (hadamard_fp4); the scorer alone by kernel (register tiles,
     tensor cores) and with the top-k as the engine runs them; a prefill chunk's scores (T = 256
-    tokens over 65,536 keys) by kernel, and its top-k over a chunk of T = 512 tokens."""
+    tokens over 65,536 keys) by kernel (the per-token blocks, and the chunk tiles the prefill
+    takes), and its top-k over a chunk of T = 512 tokens."""
     from ..numerics import fp4_roundtrip
     rng = np.random.default_rng(0)
     HI, DI, k = 64, 128, 512
@@ -827,10 +829,11 @@ def bench_cases(stream) -> list[BenchCase]:
     w = cuda.to_device((rng.normal(size=(T, HI)) / 90.51).astype(np.float32), stream=stream)
     nv = cuda.to_device(np.arange(N - T + 1, N + 1, dtype=np.int32), stream=stream)
     scores = cuda.device_array((T, N), np.float32, stream=stream)
-    for mma in (False, True):
-        def chunk(scores=scores, q=q, w=w, nv=nv, mma=mma):
-            indexer_scores_chunk(scores, q, w, keys, nv, stream=stream, mma=mma)
-        cases.append(BenchCase("indexer", f"indexer_scores_chunk {_KIND[mma]} T={T} N={N}", chunk,
+    for mma, tiles in ((False, False), (True, False), (True, True)):
+        def chunk(scores=scores, q=q, w=w, nv=nv, mma=mma, tiles=tiles):
+            indexer_scores_chunk(scores, q, w, keys, nv, stream=stream, mma=mma, q_fp4=tiles)
+        kind = "tensor-core tiles" if tiles else _KIND[mma]
+        cases.append(BenchCase("indexer", f"indexer_scores_chunk {kind} T={T} N={N}", chunk,
                                keys.nbytes + q.nbytes + w.nbytes + scores.nbytes,
                                flops=2 * T * N * HI * (DI + 1)))
     T = 512  # a prefill chunk ending the context: token t sees N - (T-1-t) entries

@@ -40,26 +40,69 @@ def test_scores_decode(HI, DI, fp4_q):
     _check_decode(HI, DI, ncap=300, N=290, n=261, fp4_q=fp4_q)
 
 
+def _check_chunk(q, w, keys, nv, N, **kernel):
+    """The chunk form against the reference: scores below each token's count, -inf past it."""
+    ref = np.empty((len(q), N))
+    ix.indexer_scores_chunk_ref(ref, q.astype(np.float64), w.astype(np.float64), keys, nv)
+    out = poisoned((len(q), N))
+    ix.indexer_scores_chunk(out, cuda.to_device(q), cuda.to_device(w), cuda.to_device(keys),
+                            cuda.to_device(nv), **kernel)
+    check_scores(out.copy_to_host(), ref, np.minimum(nv, N))
+
+
 def test_scores_chunk():
     rng = fresh_rng()
     T, HI, DI, ncap, N = 3, 16, 128, 200, 200
     q, w, keys = _inputs(rng, T, HI, DI, ncap, True)
     nv = np.array([5, 130, 200], np.int32)  # token 0: steps past its keys only fill -inf
-    ref = np.empty((T, N))
-    ix.indexer_scores_chunk_ref(ref, q.astype(np.float64), w.astype(np.float64), keys, nv)
-    out = poisoned((T, N))
-    ix.indexer_scores_chunk(out, cuda.to_device(q), cuda.to_device(w), cuda.to_device(keys),
-                            cuda.to_device(nv), mma=True)
-    check_scores(out.copy_to_host(), ref, nv)
+    _check_chunk(q, w, keys, nv, N, mma=True)
+
+
+def _fp4_spread(rng, shape):
+    """Values on the FP4 grid whose 32-dim blocks span 2^-40 .. 2^40 (the tiles kernel moves
+    every key's scale into the bf16 exponents) and whose first block is all zero (scale byte
+    0 in a packed key)."""
+    x = rng.normal(size=shape) * np.ldexp(1.0, rng.integers(-40, 41, size=shape[:-1]
+                                                            + (shape[-1] // 32, 1))
+                                          ).repeat(32, axis=-1).reshape(shape)
+    x[..., :32] = 0.0
+    return fp4_roundtrip(x, 32).astype(np.float32)
+
+
+@pytest.mark.parametrize("HI,DI,T", [(32, 32, 9), (64, 64, 5)])
+def test_scores_chunk_tiles(HI, DI, T):
+    # several tokens a block (8 a block at HI = 32, 4 at 64), the last block part-filled;
+    # visible counts from none to past N, so steps end in every token at its own key
+    rng = fresh_rng()
+    ncap, N = 80, 75
+    keys = np.empty((ncap, ix.kvpack.index_key_bytes(DI)), np.uint8)
+    ix.kvpack.pack_index_key_ref(keys, _fp4_spread(rng, (ncap, DI)))
+    q = _fp4_spread(rng, (T, HI, DI))
+    w = rng.normal(size=(T, HI)).astype(np.float32)
+    nv = rng.integers(1, N, size=T).astype(np.int32)
+    nv[0], nv[-1] = 0, N + 5
+    _check_chunk(q, w, keys, nv, N, mma=True, q_fp4=True)
 
 
 def test_fits():
     assert indexer_mma.fits(64, 128) and indexer_mma.fits(16, 64)
     assert not indexer_mma.fits(8, 128)  # fewer heads than one MMA's 16 rows
     assert not indexer_mma.fits(64, 48)  # not whole 32-dim FP4 blocks
+    assert indexer_mma.fits_tiles(64, 128) and indexer_mma.fits_tiles(256, 32)
+    assert not indexer_mma.fits_tiles(16, 128)  # a warp takes 32 heads
+    assert not indexer_mma.fits_tiles(64, 256)  # q's fragments would need 128 registers
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash size: GPU only")
 @pytest.mark.parametrize("fp4_q", [True, False])
 def test_scores_v4_size(fp4_q):
     _check_decode(64, 128, ncap=100_000, N=100_000, n=90_001, fp4_q=fp4_q)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash size: GPU only")
+def test_scores_chunk_tiles_v4_size():
+    rng = fresh_rng()
+    T, HI, DI, N = 12, 64, 128, 70_000
+    q, w, keys = _inputs(rng, T, HI, DI, N, True)
+    nv = np.linspace(1, N, T).astype(np.int32)
+    _check_chunk(q, w, keys, nv, N, q_fp4=True)
