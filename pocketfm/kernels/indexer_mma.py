@@ -286,7 +286,7 @@ def _tile_scorer(HI: int, DI: int):
         ntok = cuda.shared.array(TILE_WARPS, int32)
         xch = cuda.shared.array(XCH, np.int64)
         shf = cuda.shared.array(SHF, float32)
-        lo, hi = tid & 15, tid >> 4
+        lo, hi = tid & 15, tid >> 4  # the launch's 256 threads: one table entry each
         tab[tid] = (np.uint64(uint32(_e2m1_bf16(lo)) | (uint32(_e2m1_bf16(hi)) << uint32(16)))
                     | (np.uint64(_e2m1_nonzero(lo) + 65536 * _e2m1_nonzero(hi))
                        << np.uint64(32)))
