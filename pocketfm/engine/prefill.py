@@ -12,7 +12,7 @@ A chunk runs the decode step's sublayers with every activation [T, ...] instead 
                  (attention_prefill), then the chunk enters the ring; the grouped output
                  projection as one GEMM per group; HC post. MoE: router GEMM, per-token routes,
                  the routed experts over the T·k (token, expert) rows grouped by expert
-                 (expert_order + imma.py's int8 tensor-core GEMM, one expert per block: each
+                 (expert_order + hmma.py's float16 tensor-core GEMM, one expert per block: each
                  expert's weights are read once per 32 of its rows; x read per token, the
                  SwiGLU inside the down's x preparation), the shared expert as GEMMs.
     no head      the chunk's logits are never needed: prefill stops one token short of the
@@ -40,7 +40,7 @@ from ..kernels.embed_sample import embed
 from ..kernels.gemv import gemv
 from ..kernels.hc import hc_post, hc_pre
 from ..kernels.indexer import indexer_scores_chunk, topk_chunk
-from ..kernels import imma
+from ..kernels import hmma
 from ..kernels.mma import expert_order, gemm_mma, supports
 from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
 from ..kernels.norm_rope import rmsnorm, rope
@@ -250,17 +250,17 @@ class ChunkPrefill:
         x_rep, gu, h, down = self.x_rep[:Tk], self.gate_up[:Tk], self.h[:Tk], self.down[:Tk]
         flat_ids = ids.reshape(Tk)
         # on a GPU: tensor cores over the rows grouped by expert, so each expert's weight tile
-        # is filled once for all its rows (the simulator keeps the expert-indexed GEMV); on
-        # the int8 ones (imma.py) x is read per token (no copies) and the down's x is made
+        # is filled once for all its rows (the simulator keeps the expert-indexed GEMV); in
+        # hmma.py's kernel x is read per token (no copies) and the down's x is made
         # from gate|up through the SwiGLU in its preparation (no h)
         grouped = not SIMULATOR and supports(L.gate_up) and supports(L.down)
         if grouped:
             order, tiles = self.route_order[:Tk], self.route_tiles
             expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
-        if grouped and imma.takes(L.gate_up) and imma.takes(L.down):
-            imma.gemm_imma(gu, L.gate_up, v, flat_ids, order, s, tiles=tiles, x_div=k)
-            h_limbs = imma.prepare_x_swiglu(gu, w.reshape(Tk), cfg.swiglu_clamp[i], s)
-            imma.gemm_imma_prepared(down, L.down, h_limbs, flat_ids, order, s, tiles=tiles)
+        if grouped and hmma.takes(L.gate_up) and hmma.takes(L.down):
+            hmma.gemm_hmma(gu, L.gate_up, v, flat_ids, order, s, tiles=tiles, x_div=k)
+            h_limbs = hmma.prepare_x_swiglu(gu, w.reshape(Tk), cfg.swiglu_clamp[i], s)
+            hmma.gemm_hmma_prepared(down, L.down, h_limbs, flat_ids, order, s, tiles=tiles)
         else:
             broadcast_rows(x_rep, v, s, threads=nt)
             if grouped:

@@ -30,9 +30,9 @@ words per row: the 32 lanes' fragment reads g·20 + c land in 32 different banks
 Two kernels: the split kernel above for F32/F16/BF16/Q4_K/MXFP4, and for the types whose
 weights are small integer codes times a scale (Q8_0, IQ2_XXS, Q2_K) a "codes" kernel with
 exact bf16 codes and two MMAs per tile (see _mma_codes_kernel): only x is rounded. On a GPU
-``gemm_mma`` hands those three types to imma.py's int8 kernel (faster, x to 22 bits); the
-codes kernel stays for the simulator's tests and for A/B runs (``int8=False``,
-POCKETFM_IMMA=0).
+``gemm_mma`` hands those three types to hmma.py's float16 kernel (faster, x to 22 bits); the
+codes kernel stays for the simulator's tests and for A/B runs (``f16=False``,
+POCKETFM_HMMA=0).
 
 Expert-indexed rows (``ids``: the MoE's (token, expert) rows, the grouped output projection's
 (group, token) rows): ``order`` lists the rows grouped by expert (``expert_order``), a tile
@@ -77,7 +77,7 @@ if SIMULATOR:
         """Where lane (g, c)'s fragment registers put A[r, k] (16 x K) and B[k, n] (K x 8) of
         an m16n8k{K} MMA with ``per_register`` elements a 32-bit register (PTX ISA: bf16 2,
         K = 16; int8 4, K = 32): (lane, register, element) per matrix entry, for the
-        simulator's emulation (imma.py's too)."""
+        simulator's emulation."""
         K = 8 * per_register
         r, k = np.meshgrid(np.arange(16), np.arange(K), indexing="ij")
         a = ((r % 8) * 4 + (k % (K // 2)) // per_register, (r >= 8) + 2 * (k >= K // 2),
@@ -100,49 +100,71 @@ if SIMULATOR:
         cuda.syncthreads()
         return words
 
-    def _bf16_matrix(words, frag):
+    def _half_matrix(words, frag, f16):
         lane, reg, half = frag
         bits = ((words[lane, reg] >> (16 * half).astype(np.uint64)) & np.uint64(0xFFFF))
+        if f16:
+            return bits.astype(np.uint16).view(np.float16).astype(np.float64)
         return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+
+    def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch, f16):
+        words = warp_fragments(xch, a0, a1, a2, a3, b0, b1)
+        d = _half_matrix(words, _FRAG_A, f16) @ _half_matrix(words, _FRAG_B, f16)  # [16, 8]
+        lane = cuda.threadIdx.x % 32
+        g, c = lane >> 2, lane & 3
+        return (np.float32(d[g, 2 * c] + c0), np.float32(d[g, 2 * c + 1] + c1),
+                np.float32(d[g + 8, 2 * c] + c2), np.float32(d[g + 8, 2 * c + 1] + c3))
 
     @cuda.jit(device=True)
     def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):
         """One warp's m16n8k16 MMA: (d0, d1, d2, d3) = A·B + C on this lane's fragments
         (simulator: the warp's fragments exchanged through ``xch`` with barriers, so every
         thread of the block calls it)."""
-        words = warp_fragments(xch, a0, a1, a2, a3, b0, b1)
-        d = _bf16_matrix(words, _FRAG_A) @ _bf16_matrix(words, _FRAG_B)  # [16, 8]
-        lane = cuda.threadIdx.x % 32
-        g, c = lane >> 2, lane & 3
-        return (np.float32(d[g, 2 * c] + c0), np.float32(d[g, 2 * c + 1] + c1),
-                np.float32(d[g + 8, 2 * c] + c2), np.float32(d[g + 8, 2 * c + 1] + c3))
+        return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch, False)
+
+    @cuda.jit(device=True)
+    def _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):
+        """As _mma_bf16 with float16 operands (the same fragment layout)."""
+        return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch, True)
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def _mma_ptx(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        if not (all(isinstance(v, types.Integer) for v in (a0, a1, a2, a3, b0, b1))
-                and all(v == types.float32 for v in (c0, c1, c2, c3))):
-            return None
-        ptx = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+    def _mma_intrinsic(ab: str):
+        """m16n8k16 with ``ab`` (bf16 or f16) operands and float32 C / D."""
+        ptx = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{$0, $1, $2, $3}}, "
                "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
 
-        def codegen(context, builder, sig, args):
-            i32, f32 = ir.IntType(32), ir.FloatType()
-            regs = [builder.trunc(v, i32) if t.bitwidth > 32 else v
-                    for v, t in zip(args[:6], sig.args[:6])]
-            fty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-            asm = ir.InlineAsm(fty, ptx, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            s = builder.call(asm, regs + list(args[6:]))
-            return cgutils.pack_array(builder, [builder.extract_value(s, k) for k in range(4)])
-        return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            if not (all(isinstance(v, types.Integer) for v in (a0, a1, a2, a3, b0, b1))
+                    and all(v == types.float32 for v in (c0, c1, c2, c3))):
+                return None
+
+            def codegen(context, builder, sig, args):
+                i32, f32 = ir.IntType(32), ir.FloatType()
+                regs = [builder.trunc(v, i32) if t.bitwidth > 32 else v
+                        for v, t in zip(args[:6], sig.args[:6])]
+                fty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+                asm = ir.InlineAsm(fty, ptx, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                s = builder.call(asm, regs + list(args[6:]))
+                return cgutils.pack_array(builder,
+                                          [builder.extract_value(s, k) for k in range(4)])
+            sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+            return sig, codegen
+        return mma
+
+    _mma_ptx, _mma_f16_ptx = _mma_intrinsic("bf16"), _mma_intrinsic("f16")
 
     @cuda.jit(device=True)
     def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):
         return _mma_ptx(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @cuda.jit(device=True)
+    def _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):
+        return _mma_f16_ptx(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
 
 # ---- bf16 split ----------------------------------------------------------------------------------
@@ -672,7 +694,7 @@ def _no_tiles():
 
 
 def gemm_mma(out, w: QWeight, x, ids=None, order=None, stream=0, split_k=None,
-             narrow=None, tiles=None, int8=None) -> None:
+             narrow=None, tiles=None, f16=None) -> None:
     """out float32 [T, N] (device) = W · x[t], or W[ids[t]] · x[t]; x float32 [T, K].
     ``order`` (int32 [T], from expert_order) lists the rows grouped by expert; without it the
     rows are taken as they come (right, and fast when already grouped). ``tiles`` (with ids and
@@ -680,13 +702,14 @@ def gemm_mma(out, w: QWeight, x, ids=None, order=None, stream=0, split_k=None,
     expert's weight tile is filled once per EXPERT_TILE of its rows. ``split_k`` forces the
     K splits (default: enough for two blocks per SM; none with ids), ``narrow`` the 32-token
     tile (default: with tiles, or with ids and fewer than NARROW_ROWS_PER_EXPERT rows per
-    expert). ``int8``: run Q8_0 / IQ2_XXS / Q2_K on imma.py's int8 MMAs (default: on a GPU,
-    ``imma.takes``), not this module's bf16 codes kernel (which split_k / narrow ask for)."""
+    expert). ``f16``: run Q8_0 / IQ2_XXS / Q2_K on hmma.py's float16 codes kernel (default:
+    on a GPU, ``hmma.takes``), not this module's bf16 codes kernel (which split_k / narrow ask
+    for)."""
     T, N, K = x.shape[0], w.rows, w.cols
     assert out.shape == (T, N) and supports(w), (out.shape, w, x.shape)
-    from . import imma  # builds on this module
-    if (imma.takes(w) if int8 is None else int8) and split_k is None and narrow is None:
-        imma.gemm_imma(out, w, x, ids, order, stream, tiles)  # int8 tensor cores
+    from . import hmma  # builds on this module
+    if (hmma.takes(w) if f16 is None else f16) and split_k is None and narrow is None:
+        hmma.gemm_hmma(out, w, x, ids, order, stream, tiles)
         return
     per_token = ids is not None
     assert tiles is None or (per_token and order is not None), "tiles come with ids and order"
@@ -761,7 +784,7 @@ def bench_cases(stream) -> list[BenchCase]:
             stream.synchronize()
             return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         def run(out=out, dev=dev, x=x):
-            gemm_mma(out, dev, x, stream=stream, int8=False)
+            gemm_mma(out, dev, x, stream=stream, f16=False)
         cases.append(BenchCase("mma", f"gemm_mma q8_0 {name} {T} tok x {N}x{K}", run,
                                dev.nbytes + 4 * T * (N + K), 2 * T * N * K, check=check))
     E, k = 256, 6
@@ -778,11 +801,11 @@ def bench_cases(stream) -> list[BenchCase]:
 
         def grouped(out=out, dev=dev, x=x):
             expert_order(order, ids, E, stream)
-            gemm_mma(out, dev, x, ids, order, stream, int8=False)
+            gemm_mma(out, dev, x, ids, order, stream, f16=False)
 
         def aligned(out=out, dev=dev, x=x):
             expert_order(order, ids, E, stream, tiles=tiles)
-            gemm_mma(out, dev, x, ids, order, stream, tiles=tiles, int8=False)
+            gemm_mma(out, dev, x, ids, order, stream, tiles=tiles, f16=False)
 
         def dp4a(out=out, dev=dev, x=x, spec=spec):
             gemv_lowbit._launch(spec, out, dev, x, ids, stream, None, "decode")

@@ -1,8 +1,8 @@
-"""The int8 tensor-core GEMM (kernels/imma.py) against the NumPy references.
+"""The float16 tensor-core GEMM (kernels/hmma.py) against the NumPy references.
 
 In the simulator each MMA is emulated per warp from the fragment layouts, so a wrong fragment
-index, a wrong sign byte or a wrong scale shows up as a wrong product. Sizes are odd where the
-kernel must mask: rows past N, tokens past the tile, experts sharing a tile.
+index, a wrong code conversion or a wrong scale shows up as a wrong product. Sizes are odd
+where the kernel must mask: rows past N, tokens past the tile, experts sharing a tile.
 """
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ from numba import cuda
 
 from kernels.kernel_testing import fresh_rng, poisoned, rel_err
 from pocketfm import quants
-from pocketfm.kernels import imma, moe
+from pocketfm.kernels import hmma, moe
 from pocketfm.kernels.gemv import pack_weight
 from pocketfm.kernels.mma import expert_order, expert_tiles_capacity
 from pocketfm.quants import GGMLType
@@ -24,33 +24,30 @@ def _weight(qtype, E, N, K, rng):
 
 
 def _x(rng, R, K):
-    """Rows of very different magnitudes, with an outlier: the slots' scales must follow."""
+    """Rows of very different magnitudes, with an outlier: the row scales must follow."""
     x = rng.standard_normal((R, K)).astype(np.float32) * rng.uniform(0.1, 10, (R, 1))
     x[rng.integers(R), rng.integers(K)] *= 50
     return x.astype(np.float32)
 
 
-def test_prepare_x_limbs_and_sums():
+def test_prepare_x_limbs_sums_and_scales():
     rng = fresh_rng()
-    x = _x(rng, 5, 96)
-    x[1, 32:64] = 0  # an all-zero slot: scale 0, codes 0
-    xq, xl, xsum, xs = (a.copy_to_host() for a in imma.prepare_x(cuda.to_device(x)))
-
-    def limb(words, signed):
-        b = words.astype(np.uint32).view(np.int8 if signed else np.uint8)
-        return b.reshape(5, 96).astype(np.int64)
-    q = (65536 * limb(xq, True) + 256 * limb(xq >> np.uint64(32), False)
-         + limb(xl, False))
-    q_ref, s_ref = imma.prepare_x_ref(x)
-    assert (np.abs(q) <= imma.Q_MAX).all()
-    # on a GPU the product x·(1/s) may be fused into the rounding add (libNVVM contracts to
-    # FMA by default): one rounding instead of two, so a tie can go the other way by one unit
-    assert np.abs(q - q_ref).max() <= (0 if imma.SIMULATOR else 1)
-    np.testing.assert_array_equal(xs, s_ref)
-    np.testing.assert_array_equal(xsum, q.reshape(5, -1, 16).sum(axis=2))
-    # half a unit, x / s rounded in float32 (a quarter at 2^22), s and 1 / s rounded (half)
-    s = np.repeat(s_ref, 32, axis=1)
-    assert (np.abs(s * q - x) <= s * 1.3 + 1e-30).all()
+    x = _x(rng, 6, 96)
+    x[1] *= 1e-30  # a tiny row: its scale must bring it up
+    x[2] *= 1e30  # a huge one: down, inside float16's range
+    x[3] = 0  # an all-zero row
+    xh, xl, xsum, xs = (a.copy_to_host() for a in hmma.prepare_x(cuda.to_device(x)))
+    hi, lo, sums, inv = hmma.prepare_x_ref(x)
+    np.testing.assert_array_equal(xs, inv)
+    np.testing.assert_array_equal(xh, hi)
+    np.testing.assert_array_equal(xl, lo)
+    np.testing.assert_allclose(xsum, sums, rtol=1e-6, atol=1e-6 * np.abs(sums).max())
+    v = hi.astype(np.float32) + lo.astype(np.float32)
+    m = np.abs(v).max(axis=1)
+    assert ((m[[0, 1, 2, 4, 5]] >= 2 ** 14) & (m[[0, 1, 2, 4, 5]] < 2 ** 15)).all()
+    # two float16 limbs hold x to 22 bits of each value (23 of the row's largest)
+    err = np.abs(v * xs[:, None] - x)
+    assert (err <= np.abs(x) * 2.0 ** -21 + np.abs(x).max(axis=1, keepdims=True) * 2.0 ** -23).all()
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -61,9 +58,9 @@ def test_dense_every_type(name):
     w = _weight(qtype, 1, 40, K, rng)  # 40 rows, 19 tokens: partial row and token tiles
     x = _x(rng, 19, K)
     ref = np.empty((19, 40))
-    imma.gemm_imma_ref(ref, w, x)
+    hmma.gemm_hmma_ref(ref, w, x)
     out = poisoned((19, 40))
-    imma.gemm_imma(out, w.to_device(), cuda.to_device(x))
+    hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x))
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
@@ -79,7 +76,7 @@ def test_expert_rows_with_shared_x(name, aligned):
     x = _x(rng, T, K)
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32).ravel()
     ref = np.empty((T * k, N))
-    imma.gemm_imma_ref(ref, w, x, ids, x_div=k)
+    hmma.gemm_hmma_ref(ref, w, x, ids, x_div=k)
     d_ids = cuda.to_device(ids)
     order = cuda.to_device(np.zeros(T * k, np.int32))
     tiles = None
@@ -87,7 +84,7 @@ def test_expert_rows_with_shared_x(name, aligned):
         tiles = cuda.to_device(np.full((2, expert_tiles_capacity(T * k, E) + 3), 7, np.int32))
     expert_order(order, d_ids, E, tiles=tiles)
     out = poisoned((T * k, N))
-    imma.gemm_imma(out, w.to_device(), cuda.to_device(x), d_ids, order, tiles=tiles, x_div=k)
+    hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x), d_ids, order, tiles=tiles, x_div=k)
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
@@ -100,15 +97,15 @@ def test_swiglu_preparation_matches_swiglu_then_gemm():
     h = np.empty((R, F), np.float32)
     moe.swiglu_fused_ref(h, gate_up, weights, 10.0)
     ref = np.empty((R, N))
-    imma.gemm_imma_ref(ref, w, h)
-    limbs = imma.prepare_x_swiglu(cuda.to_device(gate_up), cuda.to_device(weights), 10.0)
+    hmma.gemm_hmma_ref(ref, w, h)
+    limbs = hmma.prepare_x_swiglu(cuda.to_device(gate_up), cuda.to_device(weights), 10.0)
     out = poisoned((R, N))
-    imma.gemm_imma_prepared(out, w.to_device(), limbs)
+    hmma.gemm_hmma_prepared(out, w.to_device(), limbs)
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
 def test_supports():
     rng = fresh_rng()
-    assert imma.supports(_weight(GGMLType.Q2_K, 1, 8, 256, rng))
-    assert imma.supports(_weight(GGMLType.Q8_0, 1, 8, 64, rng))
-    assert not imma.supports(_weight(GGMLType.Q4_K, 1, 8, 256, rng))
+    assert hmma.supports(_weight(GGMLType.Q2_K, 1, 8, 256, rng))
+    assert hmma.supports(_weight(GGMLType.Q8_0, 1, 8, 64, rng))
+    assert not hmma.supports(_weight(GGMLType.Q4_K, 1, 8, 256, rng))

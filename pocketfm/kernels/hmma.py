@@ -1,0 +1,566 @@
+"""Half-precision tensor-core GEMM for the code types: out[T, N] = x[T, K] · W[N, K]ᵀ for Q8_0,
+IQ2_XXS and Q2_K on ``mma.sync.aligned.m16n8k16`` with float16 operands and float32
+accumulation (PTX).
+
+Why: a prefill chunk is ~26 GFLOP a V4-Flash token, most of it in these three types (the
+routed experts' IQ2_XXS gate+up and Q2_K down, the attention's Q8_0), and mma.py's bf16 codes
+kernel spends its time making bf16 tiles in shared memory (11-17 TFLOP/s on the H200). Their
+weights are small integers times a scale, exact in float16, so they go into the MMA as they
+are, built in registers straight from the packed planes (loaded a K step ahead): no weight tile
+in shared memory. x splits into two float16 limbs:
+    x' = 2^p · x (p per row: max|x'| in [2^14, 2^15), inside float16's range),
+    hi = f16(x'), lo = f16(x' - hi)          (22 bits of each value)
+(bf16's two limbs, 16 bits, and int8 limbs of 15 bits measured too coarse for the prefill: on
+`small` after a 1K prompt the greedy tokens left NumPy's. Three int8 limbs of 22 bits of each
+32-column slot's largest value, three MMAs and three int32 -> float conversions per output
+and K step, ran 5-20% slower than this on the H200; git history has that kernel.) A K step
+of 32 columns is four MMAs chained on one float32 C (codes · hi and codes · lo, two 16-column
+halves), then one multiply-add per output:
+    Q8_0, IQ2_XXS  acc += d_row · C                        (d_row: the row's 32-column scale)
+    Q2_K           acc += d · C - dmin · (m0·Σx'_0 + m1·Σx'_1)
+and the store multiplies by 2^-p. Q2_K's 4-bit sub-block scale is folded into the codes
+(q·sc <= 45) and its mins use the sums of x' per 16 columns, which the x preparation makes.
+
+Codes to float16 pairs: two bytes b go into the low bytes of two halves whose high byte is
+0x64 (prmt): the halves are 1024 + b; one fma.f16x2 takes 1024 away (1152 for signed bytes,
+whose sign bit is flipped first: 1024 + (b + 128)). IQ2_XXS's grid rows and sign masks come
+as float16 words from a 6 KB table in shared memory (a sign is an xor of 0x8000).
+
+Fragments (PTX ISA, mma.m16n8k16 .f16): lane (g = lane / 4, c = lane % 4) holds A pairs (row
+g, MMA columns 2c, 2c+1), (g+8, ..), (g, 2c+8, 2c+9), (g+8, ..) and B pairs (token g, the same
+columns); C (row g, tokens 2c, 2c+1), (g+8, ..). A dot product does not mind the order of its
+terms, so the two MMAs of a K step give lane c the step's columns 8c..8c+3 and 8c+4..8c+7: a
+lane's weights are one 8-byte word of the planes (Q8_0, Q2_K) or one IQ2_XXS grid row, and
+its x two 8-byte words of each limb.
+
+Block: 4 warps, each 32 weight rows x 32 tokens (2 x 4 MMA tiles), so a block is 128 rows x
+32 tokens; rows: dense tokens, or the MoE's (token, expert) rows in expert_order's tiles as
+mma.py takes them (one expert per block with ``tiles``; else a pass per expert in the tile,
+rows of other experts masked to zero). The tile's x (limb words, Q2_K's sums) is staged in
+shared memory 256 columns at a time, coalesced, so the four warps do not each fetch it.
+
+In the simulator an MMA is emulated per warp (mma.py), and the float16 pair arithmetic in
+NumPy; sizes stay tiny there.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import cuda, float32, int32, uint32, uint64
+from numba.types import float16
+
+from ..engine.layout import expert_tiles_capacity
+from ..quants import IQ2XXS_GRID, KSIGNS_IQ2XS, GGMLType
+from .bench import BenchCase
+from .device import SIMULATOR, cdiv, kernel, stream_buffer
+from .gemv import _bits_f32, _dummies, gemv_ref
+from .gemv_lowbit import swiglu_scalar
+from .lowbit_layout import _f32_bits, _half, _prmt
+from .mma import ALIGNED, _device_const, _mma_f16, _next_expert, _no_tiles, _tile_rows
+from .qweight import QWeight
+
+KT = 32  # columns per K step: two MMAs' k, one Q8_0 / IQ2_XXS block
+THREADS = 128  # 4 warps
+MI, NI = 2, 4  # a warp's MMA tiles: 2 x 16 weight rows, 4 x 8 tokens
+BM, BN = 4 * 16 * MI, 8 * NI  # 128 rows x 32 tokens a block
+N_ACC = MI * NI * 4  # accumulators a thread
+CH = 256  # columns of x staged in shared memory at a time (8 K steps)
+XW = CH // 4 + 4  # a token's staged uint64 words, padded: the fragment reads hit distinct banks
+XM_W = CH // 16  # a token's staged sums
+XCH = 128 * 6 if SIMULATOR else 1  # simulator MMA exchange: 6 fragment words per thread
+PREP = 128  # x preparation: threads per block (one block a row)
+assert THREADS == 4 * BN and CH % 64 == 0  # _stage_x: four threads a token
+
+# ---- codes to float16 pairs --------------------------------------------------------------------
+if SIMULATOR:
+    def _hfma2(a, b, c):
+        """PTX fma.rn.f16x2 on the bits of three float16 pairs."""
+        def halves(v):
+            return np.array([int(v) & 0xFFFF, (int(v) >> 16) & 0xFFFF], np.uint16).view(
+                np.float16).astype(np.float64)
+        r = (halves(a) * halves(b) + halves(c)).astype(np.float16).view(np.uint16)
+        return np.uint32(int(r[0]) | (int(r[1]) << 16))
+else:
+    from numba import types
+
+    from .lowbit_layout import _asm_intrinsic
+    _hfma2 = _asm_intrinsic("fma.rn.f16x2 $0, $1, $2, $3;", types.uint32)
+
+ONE2 = 0x3C003C00  # float16 pair (1, 1)
+MINUS_1024 = 0xE400E400  # (-1024, -1024)
+MINUS_1152 = 0xE480E480  # (-1152, -1152)
+
+
+@cuda.jit(device=True)
+def _code_pairs(u, signed):
+    """Four code bytes (signed or not, |b| < 1024) of a uint32 as two float16 pairs (bytes 0, 1
+    and 2, 3; the lower byte in the low half)."""
+    if signed:
+        u = u ^ uint32(0x80808080)
+    m = uint32(MINUS_1152 if signed else MINUS_1024)
+    hi = uint32(0x64646464)
+    return (_hfma2(_prmt(u, hi, uint32(0x4140)), uint32(ONE2), m),
+            _hfma2(_prmt(u, hi, uint32(0x4342)), uint32(ONE2), m))
+
+
+@cuda.jit(device=True)
+def _word_pairs(w, signed):
+    """The 8 code bytes of a uint64 as four float16 pairs, in column order."""
+    p0, p1 = _code_pairs(_half(w, 0), signed)
+    p2, p3 = _code_pairs(_half(w, 1), signed)
+    return p0, p1, p2, p3
+
+
+# ---- A fragments per type -------------------------------------------------------------------------
+# Lane c of a quad owns the 8 consecutive columns 8c .. 8c+7 of the K step (see the docstring).
+# load(planes, e, n, k0, c) -> raw words (loads only: issued a K step ahead);
+# frag(raw, tab, c, k0) -> (4 float16 code pairs of columns 8c.., scale, dmin, m0, m1) of row n.
+@cuda.jit(device=True)
+def _q8_0_load(planes, e, n, k0, c):
+    qs, d = planes  # qs viewed as uint64: 8 codes a word
+    return qs[e, n, (k0 >> 3) + c], d[e, n, k0 >> 5]
+
+
+@cuda.jit(device=True)
+def _q8_0_frag(raw, tab, c, k0):
+    w, d = raw
+    p0, p1, p2, p3 = _word_pairs(w, True)
+    z = float32(0)
+    return p0, p1, p2, p3, float32(d), z, z, z
+
+
+# IQ2_XXS: the 256 grid rows as 8 float16 magnitudes (two uint64), then the 128 sign indices as
+# 8 float16 sign masks (0x8000: negative; two uint64 each).
+_GRID_F16 = IQ2XXS_GRID.astype(np.float16).reshape(256, 8)
+_SIGN_F16 = np.where((KSIGNS_IQ2XS[:, None].astype(np.int64) >> np.arange(8)) & 1, 0x8000,
+                     0).astype(np.uint16)
+IQ2_TAB = np.concatenate([_GRID_F16.view(np.uint64).ravel(), _SIGN_F16.view(np.uint64).ravel()])
+IQ2_SIGNS = 512  # first sign mask word in IQ2_TAB
+TAB_WORDS = len(IQ2_TAB)  # 768
+
+
+@cuda.jit(device=True)
+def _iq2_xxs_load(planes, e, n, k0, c):
+    qs, d = planes
+    return qs[e, n, k0 >> 5], d[e, n, k0 >> 8]
+
+
+@cuda.jit(device=True)
+def _iq2_xxs_frag(raw, tab, c, k0):
+    w, d = raw
+    grids, sw = _half(w, 0), _half(w, 1)
+    g = 2 * int32((grids >> uint32(8 * c)) & uint32(255))  # grid row c: columns 8c ..
+    s = IQ2_SIGNS + 2 * int32((sw >> uint32(7 * c)) & uint32(127))
+    v0, v1 = tab[g] ^ tab[s], tab[g + 1] ^ tab[s + 1]
+    z = float32(0)
+    db = float32(d) * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
+    return _half(v0, 0), _half(v0, 1), _half(v1, 0), _half(v1, 1), db, z, z, z
+
+
+@cuda.jit(device=True)
+def _q2_k_load(planes, e, n, k0, c):
+    """The K step's 32 columns are one (half h, shift j) of a super-block: bytes 32h .. 32h+31
+    of its 64 qs bytes (lane c: 32h + 8c ..), sub-blocks 8h + 2j (columns 0-15, scale word
+    2h) and 8h + 2j + 1 (16-31, word 2h + 1)."""
+    qs, sc, dm = planes
+    s, h = k0 >> 8, (k0 >> 7) & 1
+    return (qs[e, n, s * 8 + 4 * h + c], sc[e, n, 4 * s + 2 * h], sc[e, n, 4 * s + 2 * h + 1],
+            dm[e, n, 2 * s], dm[e, n, 2 * s + 1])
+
+
+@cuda.jit(device=True)
+def _q2_k_frag(raw, tab, c, k0):
+    w, sc0, sc1, d, dmin = raw
+    j = (k0 >> 5) & 3
+    b0 = int32((sc0 >> uint32(8 * j)) & uint32(255))
+    b1 = int32((sc1 >> uint32(8 * j)) & uint32(255))
+    q = (w >> uint64(2 * j)) & uint64(0x0303030303030303)
+    v = q * uint64((b0 if c < 2 else b1) & 15)  # q·sc <= 45: no carry between bytes
+    p0, p1, p2, p3 = _word_pairs(v, False)
+    return p0, p1, p2, p3, float32(d), float32(dmin), float32(b0 >> 4), float32(b1 >> 4)
+
+
+# ---- x: a power-of-two row scale, two float16 limbs ----------------------------------------------
+@cuda.jit(device=True)
+def _row_scale(m):
+    """2^p with m · 2^p in [2^14, 2^15) (m >= 0; 2^127 for m below 2^-113)."""
+    e = max(int32((_f32_bits(m) >> uint32(23)) & uint32(255)), 14)
+    return _bits_f32(uint32(268 - e) << uint32(23))
+
+
+def _prep_kernel(value):
+    """Grid (R,), PREP threads: row b of x (``value(src, w, clamp, b, i)``) as 2^p · x in two
+    float16 limbs, Σ per 16 columns of 2^p · x, and 2^-p."""
+    def k(xh, xl, xsum, xs, src, w, clamp):
+        b, tid = cuda.blockIdx.x, cuda.threadIdx.x
+        K = xh.shape[1]
+        red = cuda.shared.array(PREP, float32)
+        m = float32(0)
+        for i in range(tid, K, PREP):
+            m = max(m, abs(value(src, w, clamp, b, i)))
+        red[tid] = m
+        cuda.syncthreads()
+        half = PREP // 2
+        while half > 0:
+            if tid < half:
+                red[tid] = max(red[tid], red[tid + half])
+            cuda.syncthreads()
+            half //= 2
+        scale = _row_scale(red[0])
+        for i in range(tid, K, PREP):
+            v = value(src, w, clamp, b, i) * scale
+            h = float16(v)
+            xh[b, i] = h
+            xl[b, i] = float16(v - float32(h))
+        for j in range(tid, K // 16, PREP):
+            t = float32(0)
+            for i in range(16 * j, 16 * j + 16):
+                t += value(src, w, clamp, b, i) * scale
+            xsum[b, j] = t
+        if tid == 0:
+            xs[b] = float32(1) / scale
+    return kernel(k)
+
+
+@cuda.jit(device=True)
+def _x_value(src, w, clamp, b, i):
+    return src[b, i]
+
+
+@cuda.jit(device=True)
+def _swiglu_value(src, w, clamp, b, i):
+    F = src.shape[1] // 2
+    return swiglu_scalar(src[b, i], src[b, F + i], w[b], clamp)
+
+
+_prep_x = _prep_kernel(_x_value)
+_prep_x_swiglu = _prep_kernel(_swiglu_value)
+
+
+def _x_buffers(stream, rows: int, K: int):
+    """(xh, xl, xsum, xs) for ``rows`` rows: stream-private, sized up to a power of two of rows
+    so that a prompt's chunks (the last one shorter) share one allocation."""
+    cap = 1 << max(6, (rows - 1).bit_length())
+    xh = stream_buffer("hmma x hi", stream, (cap, K), np.float16)[:rows]
+    xl = stream_buffer("hmma x lo", stream, (cap, K), np.float16)[:rows]
+    xsum = stream_buffer("hmma x sums", stream, (cap, K // 16), np.float32)[:rows]
+    xs = stream_buffer("hmma x scales", stream, (cap,), np.float32)[:rows]
+    return xh, xl, xsum, xs
+
+
+def prepare_x(x, stream=0):
+    """x float32 [R, K] -> (xh, xl float16 [R, K]: 2^p·x ≈ xh + xl, p per row; xsum float32
+    [R, K/16]: Σ 2^p·x per 16 columns; xs float32 [R]: 2^-p)."""
+    R, K = x.shape
+    bufs = _x_buffers(stream, R, K)
+    one = _dummies()[0]
+    _prep_x[R, PREP, stream](*bufs, x, one, float32(0))
+    return bufs
+
+
+def prepare_x_swiglu(gate_up, weights, clamp: float, stream=0):
+    """As prepare_x for h = weights · SwiGLU(gate, up) of gate_up [R, 2F] (moe.swiglu's float32
+    formula: the same h as a SwiGLU launch would write, without its launch and round trip)."""
+    R, F = gate_up.shape[0], gate_up.shape[1] // 2
+    bufs = _x_buffers(stream, R, F)
+    _prep_x_swiglu[R, PREP, stream](*bufs, gate_up, weights, float32(clamp))
+    return bufs
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
+    """The tile's x for columns [kc, kc + CH) into shared memory: the limbs' words (4 columns a
+    uint64) and (Q2_K) Σx' per 16 columns; zeros for entries not in this pass. Four threads a
+    token, words q, q + 4, ... (a token's 32 bytes a load), so the row and its bounds are
+    worked out once."""
+    tid = cuda.threadIdx.x
+    j, q = tid >> 2, tid & 3
+    r = xr[j]
+    nw = min(CH, K - kc) >> 2
+    b = kc >> 2
+    for m in range(CH // 16):
+        w = q + 4 * m
+        h, lo = uint64(0), uint64(0)
+        if r >= 0 and w < nw:
+            h, lo = xh[r, b + w], xl[r, b + w]
+        # word p of a K step to slot p / 2 (even p) or 4 + p / 2 (odd): lane c's two words
+        # (columns 8c ..) land in slots c and c + 4, so each fragment read is conflict-free
+        p = w & 7
+        slot = (w & ~7) + (p >> 1) + 4 * (p & 1)
+        xh_s[j, slot], xl_s[j, slot] = h, lo
+    if MINS:
+        for m in range(CH // 64):
+            w = q + 4 * m
+            xm_s[j, w] = xsum[r, (kc >> 4) + w] if r >= 0 and 4 * w < nw else float32(0)
+
+
+@cuda.jit(device=True)
+def _k_step(acc, q, a, b, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch):
+    """One 16-row x 8-token tile's K step: C = codes · (hi + lo) over the step's 32 columns
+    (four chained MMAs), then acc[q ..] += the rows' scales times C (``a``, ``b``: the frag
+    tuples of rows g and g + 8)."""
+    z = float32(0)
+    d0, d1, d2, d3 = _mma_f16(a[0], b[0], a[1], b[1], _half(h1, 0), _half(h1, 1), z, z, z, z,
+                              xch)
+    d0, d1, d2, d3 = _mma_f16(a[0], b[0], a[1], b[1], _half(l1, 0), _half(l1, 1), d0, d1, d2,
+                              d3, xch)
+    d0, d1, d2, d3 = _mma_f16(a[2], b[2], a[3], b[3], _half(h2, 0), _half(h2, 1), d0, d1, d2,
+                              d3, xch)
+    d0, d1, d2, d3 = _mma_f16(a[2], b[2], a[3], b[3], _half(l2, 0), _half(l2, 1), d0, d1, d2,
+                              d3, xch)
+    if MINS:
+        v0, v1 = xm_s[jc0, 2 * ks], xm_s[jc0, 2 * ks + 1]
+        w0, w1 = xm_s[jc0 + 1, 2 * ks], xm_s[jc0 + 1, 2 * ks + 1]
+        acc[q] += a[4] * d0 - a[5] * (a[6] * v0 + a[7] * v1)
+        acc[q + 1] += a[4] * d1 - a[5] * (a[6] * w0 + a[7] * w1)
+        acc[q + 2] += b[4] * d2 - b[5] * (b[6] * v0 + b[7] * v1)
+        acc[q + 3] += b[4] * d3 - b[5] * (b[6] * w0 + b[7] * w1)
+    else:
+        acc[q] += a[4] * d0
+        acc[q + 1] += a[4] * d1
+        acc[q + 2] += b[4] * d2
+        acc[q + 3] += b[4] * d3
+
+
+def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
+    N_TAB = max(TAB, 1)
+
+    def k(out, planes, xh, xl, xsum, xs, ids, order, tiles, tab_g, per_token, x_div, N, K):
+        tid = cuda.threadIdx.x
+        lane, warp = tid & 31, tid >> 5
+        g, c = lane >> 2, lane & 3
+        n_w = cuda.blockIdx.x * BM + warp * 16 * MI  # the warp's first weight row
+        tab = cuda.shared.array(N_TAB, uint64)
+        rows = cuda.shared.array(BN, int32)
+        exps = cuda.shared.array(BN, int32)
+        xr = cuda.shared.array(BN, int32)  # x row of each tile entry in this pass, -1: none
+        xh_s = cuda.shared.array((BN, XW), uint64)  # the chunk's hi limb words
+        xl_s = cuda.shared.array((BN, XW), uint64)  # its lo limb words
+        xm_s = cuda.shared.array((BN, XM_W), float32)  # its Σx' per 16 columns (Q2_K)
+        xch = cuda.shared.array(XCH, np.int64)
+        acc = cuda.local.array(N_ACC, float32)
+        for i in range(N_ACC):
+            acc[i] = float32(0)
+        for i in range(tid, TAB, THREADS):
+            tab[i] = tab_g[i]
+        _tile_rows(rows, exps, ids, order, tiles, per_token, cuda.blockIdx.y * BN, out.shape[0])
+        n0, n1 = min(n_w + g, N - 1), min(n_w + g + 8, N - 1)  # rows past N: not stored
+        n2, n3 = min(n_w + g + 16, N - 1), min(n_w + g + 24, N - 1)
+        e_prev = -1
+        while True:
+            e = _next_expert(exps, e_prev)
+            if e == 1 << 30:
+                break
+            for j in range(tid, BN, THREADS):
+                r = rows[j]
+                xr[j] = r // x_div if r >= 0 and exps[j] == e else -1
+            # the weight words are loaded a K step ahead, into registers
+            r0, r1 = load(planes, e, n0, 0, c), load(planes, e, n1, 0, c)
+            r2, r3 = load(planes, e, n2, 0, c), load(planes, e, n3, 0, c)
+            for kc in range(0, K, CH):
+                cuda.syncthreads()  # xr is set; the last chunk's x is no longer read
+                _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS)
+                cuda.syncthreads()
+                for k0 in range(kc, min(kc + CH, K), KT):
+                    f0, f1 = frag(r0, tab, c, k0), frag(r1, tab, c, k0)
+                    f2, f3 = frag(r2, tab, c, k0), frag(r3, tab, c, k0)
+                    if k0 + KT < K:
+                        r0 = load(planes, e, n0, k0 + KT, c)
+                        r1 = load(planes, e, n1, k0 + KT, c)
+                        r2 = load(planes, e, n2, k0 + KT, c)
+                        r3 = load(planes, e, n3, k0 + KT, c)
+                    kw, ks = (k0 - kc) >> 2, (k0 - kc) >> 5
+                    for ni in range(NI):
+                        jb = ni * 8 + g
+                        h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
+                        l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
+                        jc0 = ni * 8 + 2 * c
+                        _k_step(acc, ni * 4, f0, f1, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch)
+                        _k_step(acc, (NI + ni) * 4, f2, f3, h1, h2, l1, l2, xm_s, jc0, ks,
+                                MINS, xch)
+            e_prev = e
+        for mi in range(MI):
+            na = n_w + mi * 16 + g
+            for ni in range(NI):
+                q = (mi * NI + ni) * 4
+                for t in range(2):
+                    r = rows[ni * 8 + 2 * c + t]
+                    if r >= 0:
+                        s = xs[r // x_div]  # 2^-p of the row's x
+                        if na < N:
+                            out[r, na] = acc[q + t] * s
+                        if na + 8 < N:
+                            out[r, na + 8] = acc[q + 2 + t] * s
+    k.__name__ = k.__qualname__ = f"_gemm_{name}_hmma"
+    return kernel(**opts)(k)
+
+
+_SPECS = {GGMLType.Q8_0: ("q8_0", _q8_0_load, _q8_0_frag, 0, False),
+          GGMLType.IQ2_XXS: ("iq2_xxs", _iq2_xxs_load, _iq2_xxs_frag, TAB_WORDS, False),
+          GGMLType.Q2_K: ("q2_k", _q2_k_load, _q2_k_frag, 0, True)}
+# Register caps (H200, 2026-12-03, a 1,024-token chunk): 128 gives 4 blocks an SM. Q8_0 takes
+# 130 uncapped (attn_q_b 1.03 ms at 128, 1.18-1.25 at 136 or 168); IQ2_XXS 134 (16 bytes of
+# spill at 128: 4.07 ms, 4.41-4.57 at 136-168); Q2_K 168 (0.15 KB of spill at 128, and still
+# faster there: 3.09 ms against 3.31 at 168).
+MAX_REGISTERS = {GGMLType.Q8_0: 128, GGMLType.IQ2_XXS: 128, GGMLType.Q2_K: 128}
+_KERNELS = {qt: _hmma_kernel(*spec, max_registers=MAX_REGISTERS[qt])
+            for qt, spec in _SPECS.items()}
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+ENABLED = os.environ.get("POCKETFM_HMMA", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def supports(w: QWeight) -> bool:
+    """Whether gemm_hmma runs this weight (its type, rows of whole super-blocks)."""
+    return w.qtype in _KERNELS and w.cols % (256 if w.qtype != GGMLType.Q8_0 else KT) == 0
+
+
+def takes(w: QWeight) -> bool:
+    """Whether the GEMMs of a prefill chunk run ``w`` here rather than on mma.py's bf16 codes
+    kernel: on a GPU (the simulator's MMAs are for the tests), unless POCKETFM_HMMA=0 (A/B)."""
+    return ENABLED and not SIMULATOR and supports(w)
+
+
+def _planes(w: QWeight):
+    """The planes as the kernels take them: Q8_0's codes as uint64 words (a lane's 8)."""
+    if w.qtype == GGMLType.Q8_0:
+        return (w.planes[0].view(np.uint64), w.planes[1])
+    return w.planes
+
+
+def _table(w: QWeight):
+    if w.qtype == GGMLType.IQ2_XXS:
+        return _device_const("hmma_iq2_tab", IQ2_TAB)
+    return _device_const("hmma_no_tab", np.zeros(1, np.uint64))
+
+
+def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0, tiles=None,
+                       x_div: int = 1) -> None:
+    """out float32 [R, N] = W · x[r // x_div] (or W[ids[r]] · ...) on x made by prepare_x /
+    prepare_x_swiglu; ``order`` / ``tiles`` as in mma.gemm_mma (expert_order's)."""
+    R, N, K = out.shape[0], w.rows, w.cols
+    xh, xl, xsum, xs = x_limbs
+    assert supports(w) and out.shape[1] == N and xh.shape[1] == K, (out.shape, w, xh.shape)
+    assert xh.shape[0] * x_div >= R, (xh.shape, x_div, R)
+    per_token = ids is not None
+    assert tiles is None or (per_token and order is not None), "tiles come with ids and order"
+    one = _dummies()[0]
+    if per_token and order is None:
+        order = _device_const(f"mma_identity_{R}", np.arange(R, dtype=np.int32))
+    gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
+    _KERNELS[w.qtype][(cdiv(N, BM), gy), THREADS, stream](
+        out, _planes(w), xh.view(np.uint64), xl.view(np.uint64), xsum, xs,
+        ids if per_token else one, order if per_token else one,
+        _no_tiles() if tiles is None else tiles, _table(w),
+        ALIGNED if tiles is not None else int(per_token), x_div, N, K)
+
+
+def gemm_hmma(out, w: QWeight, x, ids=None, order=None, stream=0, tiles=None,
+              x_div: int = 1) -> None:
+    """out float32 [R, N] = W · x[r // x_div], or W[ids[r]] · x[r // x_div]; x float32 [R', K].
+    ``x_div`` > 1: rows share x (the MoE's k (token, expert) rows of a token: no copies)."""
+    gemm_hmma_prepared(out, w, prepare_x(x, stream), ids, order, stream, tiles, x_div)
+
+
+def gemm_hmma_ref(out, w: QWeight, x, ids=None, order=None, tiles=None, x_div: int = 1) -> None:
+    """NumPy reference (order and tiles change the schedule, not the result)."""
+    x = np.asarray(x)
+    if x_div > 1:
+        x = np.repeat(x, x_div, axis=0)[:out.shape[0]]
+    gemv_ref(out, w, x, ids)
+
+
+def prepare_x_ref(x):
+    """(hi, lo float32 [R, K], sums float32 [R, K/16], inverse scales float32 [R]) of prepare_x."""
+    x = np.asarray(x, np.float32)
+    m = np.abs(x).max(axis=1)
+    e = np.maximum((m.view(np.uint32) >> 23) & 255, 14).astype(np.uint32)
+    scale = ((268 - e) << 23).astype(np.uint32).view(np.float32)
+    v = (x * scale[:, None]).astype(np.float32)
+    hi = v.astype(np.float16)
+    lo = (v - hi.astype(np.float32)).astype(np.float16)
+    sums = v.reshape(len(x), -1, 16).sum(axis=2, dtype=np.float32)
+    return hi, lo, sums, (np.float32(1) / scale).astype(np.float32)
+
+
+# ---- CI lane B and benchmarks --------------------------------------------------------------------
+_PLANES = {
+    GGMLType.Q8_0: "Tuple((uint64[:, :, ::1], float16[:, :, ::1]))",
+    GGMLType.Q2_K: "Tuple((uint64[:, :, ::1], uint32[:, :, ::1], float16[:, :, ::1]))",
+    GGMLType.IQ2_XXS: "Tuple((uint64[:, :, ::1], float16[:, :, ::1]))",
+}
+PTX_SIGNATURES = [
+    (kern, f"void(float32[:, ::1], {_PLANES[qt]}, uint64[:, ::1], uint64[:, ::1], "
+           "float32[:, ::1], float32[::1], int32[::1], int32[::1], int32[:, ::1], uint64[::1], "
+           "int64, int64, int64, int64)")
+    for qt, kern in _KERNELS.items()] + [
+    (_prep_x, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
+              "float32[:, ::1], int32[::1], float32)"),
+    (_prep_x_swiglu, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
+                     "float32[:, ::1], float32[::1], float32)")]
+
+
+def bench_cases(stream) -> list[BenchCase]:
+    """A 1,024-token prefill chunk at V4-Flash shapes, beside mma.py's bf16 codes kernel on the
+    same data: q_b and out_b (Q8_0, dense), the routed experts' gate+up (IQ2_XXS) and down
+    (Q2_K) over 6,144 (token, expert) rows of 256 experts in expert_order's tiles."""
+    from . import gemv_lowbit
+    from .gemv import _random_weight, _TYPES
+    from .mma import expert_order, gemm_mma
+    rng = np.random.default_rng(0)
+    cases = []
+    T = 1024
+
+    def case(label, fn, nbytes, flops, host, xh, out, ids_h=None, x_div=1, rows=256):
+        def check():
+            r = min(rows, out.shape[0])
+            sub_ids = None if ids_h is None else ids_h[:r]
+            ref = np.empty((r, host.rows))
+            xr = np.repeat(xh, x_div, axis=0)[:r] if x_div > 1 else xh[:r]
+            gemv_ref(ref, host, xr, sub_ids)
+            got = out.copy_to_host(stream=stream)[:r]
+            stream.synchronize()
+            return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        cases.append(BenchCase("hmma", label, fn, nbytes, flops, check=check))
+
+    for name, N, K in (("attn_q_b", 32768, 1024), ("attn_output_b", 4096, 8192)):
+        host = _random_weight(_TYPES[GGMLType.Q8_0], N, K, rng)
+        dev = host.to_device(stream)
+        xh = rng.standard_normal((T, K)).astype(np.float32)
+        x = cuda.to_device(xh, stream=stream)
+        out = cuda.device_array((T, N), np.float32, stream=stream)
+        nb, fl = dev.nbytes + 4 * T * (N + K), 2 * T * N * K
+        for how, f16 in (("gemm_hmma", True), ("gemm_mma (bf16 codes)", False)):
+            case(f"{how} q8_0 {name} {T} tok x {N}x{K}",
+                 lambda out=out, dev=dev, x=x, f16=f16: gemm_mma(out, dev, x, stream=stream,
+                                                                 f16=f16),
+                 nb, fl, host, xh, out)
+    E, k = 256, 6
+    ids_h = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32).ravel()
+    ids = cuda.to_device(ids_h, stream=stream)
+    order = cuda.device_array(T * k, np.int32, stream=stream)
+    tiles = cuda.device_array((2, expert_tiles_capacity(T * k, E)), np.int32, stream=stream)
+    for qtype, N, K, x_div in ((GGMLType.IQ2_XXS, 4096, 4096, k), (GGMLType.Q2_K, 4096, 2048, 1)):
+        host, dev = gemv_lowbit._bench_weight(qtype, E, N, K, rng, distinct=8)
+        xh = rng.standard_normal((T * k // x_div, K)).astype(np.float32)
+        x = cuda.to_device(xh, stream=stream)
+        x_rep = cuda.to_device(np.repeat(xh, x_div, axis=0), stream=stream)
+        out = cuda.device_array((T * k, N), np.float32, stream=stream)
+        spec = gemv_lowbit.SPECS[qtype]
+
+        def f16(out=out, dev=dev, x=x, x_div=x_div):
+            expert_order(order, ids, E, stream, tiles=tiles)
+            gemm_hmma(out, dev, x, ids, order, stream, tiles=tiles, x_div=x_div)
+
+        def bf16(out=out, dev=dev, x_rep=x_rep):
+            expert_order(order, ids, E, stream, tiles=tiles)
+            gemm_mma(out, dev, x_rep, ids, order, stream, tiles=tiles, f16=False)
+        touched = len(np.unique(ids_h))
+        nb = touched * dev.nbytes // E + 4 * T * k * (N + K)
+        for how, fn in (("gemm_hmma", f16), ("gemm_mma (bf16 codes)", bf16)):
+            case(f"{how} expert tiles {spec.name} experts {T}x{k} rows x {N}x{K}", fn, nb,
+                 2 * T * k * N * K, host, xh, out, ids_h, x_div, rows=12)
+    return cases
