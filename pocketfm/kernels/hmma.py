@@ -13,7 +13,7 @@ in shared memory. x splits into two float16 limbs:
 (bf16's two limbs, 16 bits, and int8 limbs of 15 bits measured too coarse for the prefill: on
 `small` after a 1K prompt the greedy tokens left NumPy's. Three int8 limbs of 22 bits of each
 32-column slot's largest value, three MMAs and three int32 -> float conversions per output
-and K step, ran 5-20% slower than this on the H200; git history has that kernel.) A K step
+and K step, ran 5-30% slower than this on the H200; git history has that kernel.) A K step
 of 32 columns is four MMAs chained on one float32 C (codes · hi and codes · lo, two 16-column
 halves), then one multiply-add per output:
     Q8_0, IQ2_XXS  acc += d_row · C                        (d_row: the row's 32-column scale)
