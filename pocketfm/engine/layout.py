@@ -86,6 +86,28 @@ def expert_tiles_capacity(rows: int, n_experts: int) -> int:
 
 
 # ---- the KV caches ------------------------------------------------------------------------------
+def f16_x_rows(rows: int) -> int:
+    """Rows hmma.py allocates its x for: a power of two, at least 64, so that a prompt's chunks
+    (the last one shorter) share one allocation."""
+    return 1 << max(6, (rows - 1).bit_length())
+
+
+def f16_x_floats(rows: int, K: int) -> int:
+    """float32 words of hmma.py's x for ``rows`` rows of K columns: two float16 limbs, a sum per
+    16 columns and a scale per row, for f16_x_rows(rows) rows."""
+    cap = f16_x_rows(rows)
+    return cap * (K + K // 16 + 1)
+
+
+def prefill_f16_x_floats(cfg: ModelConfig, chunk: int) -> int:
+    """The largest hmma.py x of a chunk's GEMMs (float32 words): the grouped output projection's
+    G·T rows, the routed experts' T·k rows of the down, or T rows of the widest input."""
+    T, G = int(chunk), cfg.o_groups
+    dense_k = max(cfg.dim, cfg.q_rank, G * cfg.o_rank, cfg.moe_dim)
+    return max(f16_x_floats(G * T, cfg.n_heads // G * cfg.head_dim),
+               f16_x_floats(T * cfg.n_experts_used, cfg.moe_dim), f16_x_floats(T, dense_k))
+
+
 def layer_specs(cfg: ModelConfig, i: int, capacity: int, swap: bool = False,
                 swap_keys: bool = False) -> list[ArraySpec]:
     """The GPU arrays of layer i's LayerCache (``swap``: without the CSA layers' ``comp``;
@@ -303,6 +325,9 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     # shorter chunk needs fewer, and the spare ones are empty)
     s.add("route_tiles", 2, expert_tiles_capacity(T * k, cfg.n_experts), dtype=i32)
     s.add("x_rep", T * k, D)
+    # hmma.py's x (float16 limbs) for every GEMM of the chunk, carved per launch (the launches
+    # run in order on the prefill's stream, so one workspace serves them all)
+    s.add("f16_x", prefill_f16_x_floats(cfg, T))
     s.add("gate_up", T * k, 2 * F)
     s.add("h", T * k, F)
     s.add("down", T * k, D)

@@ -76,6 +76,7 @@ class ChunkPrefill:
                         for w in compressor_widths(cfg)}
         self.comp_scratch = {r: b[f"comp_scratch.{r}"] for r in eng.ratios}
         self.idx_in = (b["idx_in.0"], b["idx_in.1"])
+        hmma.use_workspace(eng.stream, self.f16_x)
 
     @property
     def nbytes(self) -> int:

@@ -50,7 +50,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 from numba.types import float16
 
-from ..engine.layout import expert_tiles_capacity
+from ..engine.layout import expert_tiles_capacity, f16_x_floats, f16_x_rows
 from ..quants import IQ2XXS_GRID, KSIGNS_IQ2XS, GGMLType
 from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, stream_buffer
@@ -238,10 +238,27 @@ _prep_x = _prep_kernel(_x_value)
 _prep_x_swiglu = _prep_kernel(_swiglu_value)
 
 
+_WORKSPACES: dict = {}  # id(stream) -> (stream, float32 device array)
+
+
+def use_workspace(stream, flat) -> None:
+    """Carve the x of launches on ``stream`` out of ``flat`` (float32 [n]; the prefill's
+    ``f16_x``, sized by layout.prefill_f16_x_floats) rather than stream-private buffers, so
+    that the planner counts it. Launches on one stream run in order: one x at a time."""
+    _WORKSPACES[id(stream)] = (stream, flat)
+
+
 def _x_buffers(stream, rows: int, K: int):
-    """(xh, xl, xsum, xs) for ``rows`` rows: stream-private, sized up to a power of two of rows
-    so that a prompt's chunks (the last one shorter) share one allocation."""
-    cap = 1 << max(6, (rows - 1).bit_length())
+    """(xh, xl, xsum, xs) for ``rows`` rows, for layout.f16_x_rows(rows) rows: from the
+    stream's workspace if it has one large enough, else stream-private buffers."""
+    cap = f16_x_rows(rows)
+    ws = _WORKSPACES.get(id(stream))
+    if ws is not None and ws[1].shape[0] >= f16_x_floats(rows, K):
+        flat, n, m = ws[1], cap * K // 2, cap * (K // 16)
+        return (flat[:n].view(np.float16).reshape(cap, K)[:rows],
+                flat[n:2 * n].view(np.float16).reshape(cap, K)[:rows],
+                flat[2 * n:2 * n + m].reshape(cap, K // 16)[:rows],
+                flat[2 * n + m:2 * n + m + cap][:rows])
     xh = stream_buffer("hmma x hi", stream, (cap, K), np.float16)[:rows]
     xl = stream_buffer("hmma x lo", stream, (cap, K), np.float16)[:rows]
     xsum = stream_buffer("hmma x sums", stream, (cap, K // 16), np.float32)[:rows]

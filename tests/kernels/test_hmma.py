@@ -109,3 +109,33 @@ def test_supports():
     assert hmma.supports(_weight(GGMLType.Q2_K, 1, 8, 256, rng))
     assert hmma.supports(_weight(GGMLType.Q8_0, 1, 8, 64, rng))
     assert not hmma.supports(_weight(GGMLType.Q4_K, 1, 8, 256, rng))
+
+
+def test_workspace_carving():
+    # the prefill registers its f16_x workspace for its stream: x is carved out of it (the
+    # planner counts it), the GEMM reads the carved limbs; a too-small workspace is not used
+    from pocketfm.engine.layout import f16_x_floats
+    rng = fresh_rng()
+    R, K, N = 5, 256, 12
+    w = _weight(GGMLType.IQ2_XXS, 1, N, K, rng)
+    x = _x(rng, R, K)
+    stream = cuda.stream()
+    flat = cuda.to_device(np.zeros(f16_x_floats(R, K), np.float32))
+    hmma.use_workspace(stream, flat)
+    try:
+        limbs = hmma.prepare_x(cuda.to_device(x), stream)
+        hi = hmma.prepare_x_ref(x)[0]
+        n = 64 * K // 2  # one limb of f16_x_rows(5) = 64 rows
+        carved = flat.copy_to_host()[:n].view(np.float16).reshape(64, K)[:R]
+        np.testing.assert_array_equal(carved, hi)
+        ref = np.empty((R, N))
+        hmma.gemm_hmma_ref(ref, w, x)
+        out = poisoned((R, N))
+        hmma.gemm_hmma_prepared(out, w.to_device(), limbs, stream=stream)
+        assert rel_err(out.copy_to_host(), ref) <= BOUND
+        big = hmma.prepare_x(cuda.to_device(_x(rng, 70, K)), stream)  # 128 rows: too many
+        assert big[0].shape == (70, K)
+        np.testing.assert_array_equal(flat.copy_to_host()[:n].view(np.float16).reshape(64, K)[:R],
+                                      hi)
+    finally:
+        hmma._WORKSPACES.pop(id(stream))
