@@ -94,8 +94,9 @@ MINUS_1152 = 0xE480E480  # (-1152, -1152)
 
 @cuda.jit(device=True)
 def _code_pairs(u, signed):
-    """Four code bytes (signed or not, |b| < 1024) of a uint32 as two float16 pairs (bytes 0, 1
-    and 2, 3; the lower byte in the low half)."""
+    """Four code bytes (int8, or uint8 when not ``signed``) of a uint32 as two float16 pairs
+    (bytes 0, 1 and 2, 3; the lower byte in the low half). prmt selector 0x4140 makes the word
+    (byte 0, 0x64, byte 1, 0x64): halves 1024 + byte, which the fma takes the offset from."""
     if signed:
         u = u ^ uint32(0x80808080)
     m = uint32(MINUS_1152 if signed else MINUS_1024)
