@@ -73,44 +73,35 @@ ALIGNED = 2  # per_token value of a launch over expert_order's tiles (1: BN entr
 
 # ---- the MMA instruction ------------------------------------------------------------------------
 if SIMULATOR:
-    def fragment_index(per_register: int):
-        """Where lane (g, c)'s fragment registers put A[r, k] (16 x K) and B[k, n] (K x 8) of
-        an m16n8k{K} MMA with ``per_register`` elements a 32-bit register (PTX ISA: bf16 2,
-        K = 16; int8 4, K = 32): (lane, register, element) per matrix entry, for the
-        simulator's emulation."""
-        K = 8 * per_register
-        r, k = np.meshgrid(np.arange(16), np.arange(K), indexing="ij")
-        a = ((r % 8) * 4 + (k % (K // 2)) // per_register, (r >= 8) + 2 * (k >= K // 2),
-             k % per_register)
-        k, n = np.meshgrid(np.arange(K), np.arange(8), indexing="ij")
-        b = (n * 4 + (k % (K // 2)) // per_register, 4 + (k >= K // 2), k % per_register)
+    def _fragment_index():
+        """Where lane (g, c)'s fragment registers put A[r, k] and B[k, n] (PTX ISA,
+        mma.m16n8k16 .bf16 and .f16 alike): (lane, register, half) per element, for the
+        emulation."""
+        r, k = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+        a = ((r % 8) * 4 + (k % 8) // 2, (r >= 8) + 2 * (k >= 8), k % 2)
+        k, n = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
+        b = (n * 4 + (k % 8) // 2, 4 + (k >= 8), k % 2)
         return a, b
-    _FRAG_A, _FRAG_B = fragment_index(2)
-
-    @cuda.jit(device=True)
-    def warp_fragments(xch, a0, a1, a2, a3, b0, b1):
-        """The calling warp's fragment words, [32 lanes, 6 registers] uint64, exchanged through
-        ``xch`` (6 int64 a thread) between two barriers: every thread of the block calls."""
-        t = cuda.threadIdx.x
-        base = t - t % 32
-        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
-            xch[t * 6 + i] = int(v) & 0xFFFFFFFF
-        cuda.syncthreads()
-        words = np.array(xch[base * 6:(base + 32) * 6]).astype(np.uint64).reshape(32, 6)
-        cuda.syncthreads()
-        return words
+    _FRAG_A, _FRAG_B = _fragment_index()
 
     def _half_matrix(words, frag, f16):
         lane, reg, half = frag
-        bits = ((words[lane, reg] >> (16 * half).astype(np.uint64)) & np.uint64(0xFFFF))
+        bits = (words[lane, reg] >> (16 * half).astype(np.uint32)) & np.uint32(0xFFFF)
         if f16:
             return bits.astype(np.uint16).view(np.float16).astype(np.float64)
-        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+        return (bits << np.uint32(16)).view(np.float32).astype(np.float64)
 
     def _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch, f16):
-        words = warp_fragments(xch, a0, a1, a2, a3, b0, b1)
+        """The warp's fragments exchanged through ``xch`` (6 words a thread) between two
+        barriers, so every thread of the block calls; then A·B + C for this lane."""
+        t = cuda.threadIdx.x
+        base, lane = t - t % 32, t % 32
+        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
+            xch[t * 6 + i] = int(v)
+        cuda.syncthreads()
+        words = np.array(xch[base * 6:(base + 32) * 6]).astype(np.uint32).reshape(32, 6)
+        cuda.syncthreads()
         d = _half_matrix(words, _FRAG_A, f16) @ _half_matrix(words, _FRAG_B, f16)  # [16, 8]
-        lane = cuda.threadIdx.x % 32
         g, c = lane >> 2, lane & 3
         return (np.float32(d[g, 2 * c] + c0), np.float32(d[g, 2 * c + 1] + c1),
                 np.float32(d[g + 8, 2 * c] + c2), np.float32(d[g + 8, 2 * c + 1] + c3))
