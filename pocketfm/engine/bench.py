@@ -163,9 +163,17 @@ def time_prefill(eng: DecodeEngine, start: int, n: int, chunk: int, seed: int = 
         pf.chunk(start, min(chunk, n))
     eng.stream.synchronize()
     first_s = time.perf_counter() - t0
+    # the same chunk again, compiled: how long Python takes to launch it against how long the
+    # GPU takes to run it (launch time near run time: the prefill is bound by the host)
+    t0 = time.perf_counter()
+    pf.chunk(start, min(chunk, n))
+    launch_s = time.perf_counter() - t0
+    eng.stream.synchronize()
+    run_s = time.perf_counter() - t0
     seconds = pf.ingest(start + n, start=start)
     return dict(prefill_tokens=n, prefill_chunk=chunk, prefill_tok_s=n / seconds,
                 prefill_s=seconds, prefill_first_chunk_s=first_s,
+                prefill_chunk_launch_s=launch_s, prefill_chunk_run_s=run_s,
                 prefill_workspace_bytes=pf.nbytes)
 
 

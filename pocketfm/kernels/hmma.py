@@ -37,7 +37,11 @@ Block: 4 warps, each 32 weight rows x 32 tokens (2 x 4 MMA tiles), so a block is
 32 tokens; rows: dense tokens, or the MoE's (token, expert) rows in expert_order's tiles as
 mma.py takes them (one expert per block with ``tiles``; else a pass per expert in the tile,
 rows of other experts masked to zero). The tile's x (limb words, Q2_K's sums) is staged in
-shared memory 256 columns at a time, coalesced, so the four warps do not each fetch it.
+shared memory 256 columns at a time, coalesced, so the four warps do not each fetch it; a
+thread's 32 loads of a stage go out together (one round trip to L2 a stage, not 16). The
+8-token MMA tiles with no row in a pass are skipped (an expert's tile holds ~24 rows at 1,024
+tokens); the K loop is built twice, with and without those branches, so a full tile has none.
+Indices into the weight planes and x are unsigned: Numba adds negative-index code otherwise.
 
 In the simulator an MMA is emulated per warp (mma.py), and the float16 pair arithmetic in
 NumPy; sizes stay tiny there.
@@ -66,11 +70,15 @@ MI, NI = 2, 4  # a warp's MMA tiles: 2 x 16 weight rows, 4 x 8 tokens
 BM, BN = 4 * 16 * MI, 8 * NI  # 128 rows x 32 tokens a block
 N_ACC = MI * NI * 4  # accumulators a thread
 CH = 256  # columns of x staged in shared memory at a time (8 K steps)
+BATCH = 8  # staging words a thread has in flight at once (of CH / 16)
 XW = CH // 4 + 4  # a token's staged uint64 words, padded: the fragment reads hit distinct banks
 XM_W = CH // 16  # a token's staged sums
+XM_T = XM_W // 4  # ... a thread's
 XCH = 128 * 6 if SIMULATOR else 1  # simulator MMA exchange: 6 fragment words per thread
 PREP = 128  # x preparation: threads per block (one block a row)
-assert THREADS == 4 * BN and CH % 64 == 0  # _stage_x: four threads a token
+PREP_ILP = 8  # ... and values a thread loads at once for the row's largest magnitude
+PREP_VALS = 17 * PREP  # a pass's 16·PREP values, 17 words a group: conflict-free sums
+assert THREADS == 4 * BN and CH % 64 == 0 and (CH // 16) % BATCH == 0  # _stage_x
 
 # ---- codes to float16 pairs --------------------------------------------------------------------
 if SIMULATOR:
@@ -120,7 +128,7 @@ def _word_pairs(w, signed):
 @cuda.jit(device=True)
 def _q8_0_load(planes, e, n, k0, c):
     qs, d = planes  # qs viewed as uint64: 8 codes a word
-    return qs[e, n, (k0 >> 3) + c], d[e, n, k0 >> 5]
+    return qs[e, n, uint32(k0 >> 3) + uint32(c)], d[e, n, uint32(k0 >> 5)]
 
 
 @cuda.jit(device=True)
@@ -144,7 +152,7 @@ TAB_WORDS = len(IQ2_TAB)  # 768
 @cuda.jit(device=True)
 def _iq2_xxs_load(planes, e, n, k0, c):
     qs, d = planes
-    return qs[e, n, k0 >> 5], d[e, n, k0 >> 8]
+    return qs[e, n, uint32(k0 >> 5)], d[e, n, uint32(k0 >> 8)]
 
 
 @cuda.jit(device=True)
@@ -165,9 +173,10 @@ def _q2_k_load(planes, e, n, k0, c):
     of its 64 qs bytes (lane c: 32h + 8c ..), sub-blocks 8h + 2j (columns 0-15, scale word
     2h) and 8h + 2j + 1 (16-31, word 2h + 1)."""
     qs, sc, dm = planes
-    s, h = k0 >> 8, (k0 >> 7) & 1
-    return (qs[e, n, s * 8 + 4 * h + c], sc[e, n, 4 * s + 2 * h], sc[e, n, 4 * s + 2 * h + 1],
-            dm[e, n, 2 * s], dm[e, n, 2 * s + 1])
+    s, h = uint32(k0 >> 8), uint32((k0 >> 7) & 1)
+    w = uint32(4) * s + uint32(2) * h  # unsigned indices: no negative-index wrap code
+    return (qs[e, n, uint32(8) * s + uint32(4) * h + uint32(c)], sc[e, n, w],
+            sc[e, n, w + uint32(1)], dm[e, n, uint32(2) * s], dm[e, n, uint32(2) * s + uint32(1)])
 
 
 @cuda.jit(device=True)
@@ -192,14 +201,23 @@ def _row_scale(m):
 
 def _prep_kernel(value):
     """Grid (R,), PREP threads: row b of x (``value(src, w, clamp, b, i)``) as 2^p · x in two
-    float16 limbs, Σ per 16 columns of 2^p · x, and 2^-p."""
+    float16 limbs, Σ per 16 columns of 2^p · x, and 2^-p. Two passes over the row: its largest
+    magnitude (PREP_ILP loads in flight a thread), then 16·PREP columns at a time the limbs
+    (coalesced) with the scaled values parked in shared memory, from which thread i sums group
+    i of the pass in column order. (The first build read each value three times, one load in
+    flight a thread, and summed from global memory: ~370 µs for 1,024 x 8,192 on the H200.)"""
     def k(xh, xl, xsum, xs, src, w, clamp):
         b, tid = cuda.blockIdx.x, cuda.threadIdx.x
         K = xh.shape[1]
         red = cuda.shared.array(PREP, float32)
+        vals = cuda.shared.array(PREP_VALS, float32)
+        got = cuda.local.array(16, float32)
         m = float32(0)
-        for i in range(tid, K, PREP):
-            m = max(m, abs(value(src, w, clamp, b, i)))
+        for i0 in range(tid, K, PREP_ILP * PREP):
+            for u in range(PREP_ILP):  # clamped loads, so all go out before the first max
+                got[u] = value(src, w, clamp, b, min(i0 + u * PREP, K - 1))
+            for u in range(PREP_ILP):
+                m = max(m, abs(got[u]))
         red[tid] = m
         cuda.syncthreads()
         half = PREP // 2
@@ -209,16 +227,23 @@ def _prep_kernel(value):
             cuda.syncthreads()
             half //= 2
         scale = _row_scale(red[0])
-        for i in range(tid, K, PREP):
-            v = value(src, w, clamp, b, i) * scale
-            h = float16(v)
-            xh[b, i] = h
-            xl[b, i] = float16(v - float32(h))
-        for j in range(tid, K // 16, PREP):
-            t = float32(0)
-            for i in range(16 * j, 16 * j + 16):
-                t += value(src, w, clamp, b, i) * scale
-            xsum[b, j] = t
+        for kc in range(0, K, 16 * PREP):
+            for u in range(16):
+                got[u] = value(src, w, clamp, b, min(kc + u * PREP + tid, K - 1)) * scale
+            for u in range(16):
+                i = u * PREP + tid  # column kc + i; group i // 16
+                if kc + i < K:
+                    h = float16(got[u])
+                    xh[b, kc + i] = h
+                    xl[b, kc + i] = float16(got[u] - float32(h))
+                    vals[(i >> 4) * 17 + (i & 15)] = got[u]
+            cuda.syncthreads()
+            if kc + 16 * tid < K:
+                t = float32(0)
+                for i in range(16):
+                    t += vals[tid * 17 + i]
+                xsum[b, (kc >> 4) + tid] = t
+            cuda.syncthreads()
         if tid == 0:
             xs[b] = float32(1) / scale
     return kernel(k)
@@ -288,30 +313,60 @@ def prepare_x_swiglu(gate_up, weights, clamp: float, stream=0):
 
 # ---- the kernel ----------------------------------------------------------------------------------
 @cuda.jit(device=True)
+def _stage_words(dst_h, dst_l, hrow, lrow, j, q, base, last, keep, nw, FULL):
+    """Words base + 4m (m < CH / 16) of a token's two limb rows into shared-memory row j. Loads
+    go out BATCH at a time before any store (a load then its store, 16 times over, was 16 round
+    trips to L2 a chunk) at constant offsets from one address; ``keep`` (all ones or zero)
+    zeroes entries not in this pass. A partial chunk (not FULL) clamps to word ``last`` and
+    zeroes the words past ``nw``."""
+    hv = cuda.local.array(BATCH, uint64)
+    lv = cuda.local.array(BATCH, uint64)
+    # word p of a K step goes to slot p / 2 (even p) or 4 + p / 2 (odd): lane c's two words
+    # (columns 8c ..) land in slots c and c + 4, so each fragment read is conflict-free. For
+    # word q + 4m that is slot sq + 8 (m / 2) + 2 (m % 2).
+    sq = (q >> uint32(1)) + uint32(4) * (q & uint32(1))
+    for m0 in range(0, CH // 16, BATCH):
+        for u in range(BATCH):
+            i = base + uint64(4 * (m0 + u))
+            if not FULL:
+                i = min(i, last)
+            hv[u], lv[u] = hrow[i], lrow[i]
+        for u in range(BATCH):
+            m = m0 + u
+            slot = sq + uint32(8 * (m >> 1) + 2 * (m & 1))
+            ok = keep
+            if not FULL and q + uint32(4 * m) >= nw:
+                ok = uint64(0)
+            dst_h[j, slot] = hv[u] & ok
+            dst_l[j, slot] = lv[u] & ok
+
+
+@cuda.jit(device=True)
 def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
     """The tile's x for columns [kc, kc + CH) into shared memory: the limbs' words (4 columns a
     uint64) and (Q2_K) Σx' per 16 columns; zeros for entries not in this pass. Four threads a
-    token, words q, q + 4, ... (a token's 32 bytes a load), so the row and its bounds are
-    worked out once."""
+    token (thread q of a token: words q, q + 4, ..., so a token's 32 bytes are one load)."""
     tid = cuda.threadIdx.x
-    j, q = tid >> 2, tid & 3
+    j, q = uint32(tid >> 2), uint32(tid & 3)
     r = xr[j]
-    nw = min(CH, K - kc) >> 2
-    b = kc >> 2
-    for m in range(CH // 16):
-        w = q + 4 * m
-        h, lo = uint64(0), uint64(0)
-        if r >= 0 and w < nw:
-            h, lo = xh[r, b + w], xl[r, b + w]
-        # word p of a K step to slot p / 2 (even p) or 4 + p / 2 (odd): lane c's two words
-        # (columns 8c ..) land in slots c and c + 4, so each fragment read is conflict-free
-        p = w & 7
-        slot = (w & ~7) + (p >> 1) + 4 * (p & 1)
-        xh_s[j, slot], xl_s[j, slot] = h, lo
+    keep = uint64(0) - uint64(r >= 0)  # all ones for an entry in this pass
+    hrow, lrow = xh[max(r, 0)], xl[max(r, 0)]
+    nw = uint32(min(CH, K - kc) >> 2)
+    base = uint64(kc >> 2) + uint64(q)
+    last = uint64(kc >> 2) + uint64(nw - uint32(1))
+    if nw == CH // 4:
+        _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, True)
+    else:
+        _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, False)
     if MINS:
-        for m in range(CH // 64):
-            w = q + 4 * m
-            xm_s[j, w] = xsum[r, (kc >> 4) + w] if r >= 0 and 4 * w < nw else float32(0)
+        srow = xsum[max(r, 0)]
+        mv = cuda.local.array(XM_T, float32)
+        for u in range(XM_T):
+            i = uint64(kc >> 4) + uint64(q + uint32(4 * u))
+            mv[u] = srow[min(i, uint64(xsum.shape[1] - 1))]
+        for u in range(XM_T):
+            w = q + uint32(4 * u)
+            xm_s[j, w] = mv[u] if r >= 0 and uint32(4) * w < nw else float32(0)
 
 
 @cuda.jit(device=True)
@@ -345,6 +400,32 @@ def _k_step(acc, q, a, b, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch):
 def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
     N_TAB = max(TAB, 1)
 
+    @cuda.jit(device=True)
+    def steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c, g, tab, kc, K, xh_s, xl_s,
+              xm_s, busy, xch, ALL):
+        """The K steps of the staged chunk at kc for the warp's 2 x 4 tiles; the next step's
+        weight words (r0 .. r3, rows n0 .. n3) come back. Unless ALL, the 8-token tiles not in
+        ``busy`` are skipped (a branch each: the kernel takes ALL when all are busy)."""
+        for k0 in range(kc, min(kc + CH, K), KT):
+            f0, f1 = frag(r0, tab, c, k0), frag(r1, tab, c, k0)
+            f2, f3 = frag(r2, tab, c, k0), frag(r3, tab, c, k0)
+            if k0 + KT < K:
+                r0 = load(planes, e, n0, k0 + KT, c)
+                r1 = load(planes, e, n1, k0 + KT, c)
+                r2 = load(planes, e, n2, k0 + KT, c)
+                r3 = load(planes, e, n3, k0 + KT, c)
+            kw, ks = (k0 - kc) >> 2, (k0 - kc) >> 5
+            for ni in range(NI):
+                if ALL or (busy >> ni) & 1:
+                    jb = ni * 8 + g
+                    h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
+                    l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
+                    jc0 = ni * 8 + 2 * c
+                    _k_step(acc, ni * 4, f0, f1, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch)
+                    _k_step(acc, (NI + ni) * 4, f2, f3, h1, h2, l1, l2, xm_s, jc0, ks, MINS,
+                            xch)
+        return r0, r1, r2, r3
+
     def k(out, planes, xh, xl, xsum, xs, ids, order, tiles, tab_g, per_token, x_div, N, K):
         tid = cuda.threadIdx.x
         lane, warp = tid & 31, tid >> 5
@@ -374,6 +455,13 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
             for j in range(tid, BN, THREADS):
                 r = rows[j]
                 xr[j] = r // x_div if r >= 0 and exps[j] == e else -1
+            cuda.syncthreads()
+            # the 8-token MMA tiles with an entry in this pass (an expert's tile holds ~24 of
+            # 32 rows at 1,024 tokens): the others' MMAs, x reads and multiply-adds are skipped
+            busy = 0
+            for j in range(BN):
+                if xr[j] >= 0:
+                    busy |= 1 << (j >> 3)
             # the weight words are loaded a K step ahead, into registers
             r0, r1 = load(planes, e, n0, 0, c), load(planes, e, n1, 0, c)
             r2, r3 = load(planes, e, n2, 0, c), load(planes, e, n3, 0, c)
@@ -381,23 +469,12 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
                 cuda.syncthreads()  # xr is set; the last chunk's x is no longer read
                 _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS)
                 cuda.syncthreads()
-                for k0 in range(kc, min(kc + CH, K), KT):
-                    f0, f1 = frag(r0, tab, c, k0), frag(r1, tab, c, k0)
-                    f2, f3 = frag(r2, tab, c, k0), frag(r3, tab, c, k0)
-                    if k0 + KT < K:
-                        r0 = load(planes, e, n0, k0 + KT, c)
-                        r1 = load(planes, e, n1, k0 + KT, c)
-                        r2 = load(planes, e, n2, k0 + KT, c)
-                        r3 = load(planes, e, n3, k0 + KT, c)
-                    kw, ks = (k0 - kc) >> 2, (k0 - kc) >> 5
-                    for ni in range(NI):
-                        jb = ni * 8 + g
-                        h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
-                        l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
-                        jc0 = ni * 8 + 2 * c
-                        _k_step(acc, ni * 4, f0, f1, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch)
-                        _k_step(acc, (NI + ni) * 4, f2, f3, h1, h2, l1, l2, xm_s, jc0, ks,
-                                MINS, xch)
+                if busy == (1 << NI) - 1:  # every tile busy: no per-tile branches
+                    r0, r1, r2, r3 = steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c,
+                                           g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, True)
+                else:
+                    r0, r1, r2, r3 = steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c,
+                                           g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, False)
             e_prev = e
         for mi in range(MI):
             na = n_w + mi * 16 + g
@@ -420,9 +497,10 @@ _SPECS = {GGMLType.Q8_0: ("q8_0", _q8_0_load, _q8_0_frag, 0, False),
           GGMLType.Q2_K: ("q2_k", _q2_k_load, _q2_k_frag, 0, True)}
 # Register caps (H200, 2026-12-03, a 1,024-token chunk): 128 gives 4 blocks an SM. Q8_0 takes
 # 130 uncapped (attn_q_b 1.03 ms at 128, 1.18-1.25 at 136 or 168); IQ2_XXS 134 (16 bytes of
-# spill at 128: 4.07 ms, 4.41-4.57 at 136-168); Q2_K 168 (0.15 KB of spill at 128, and still
-# faster there: 3.09 ms against 3.31 at 168).
-MAX_REGISTERS = {GGMLType.Q8_0: 128, GGMLType.IQ2_XXS: 128, GGMLType.Q2_K: 128}
+# spill at 128: 4.07 ms, 4.41-4.57 at 136-168). Q2_K wants 218 since the batched staging and
+# the busy-tile paths (0.4 KB of spill at 128): 168, 3 blocks an SM, ran its routed down in
+# 2.64 ms against 2.72 at 128 (the first build was faster at 128: 3.09 against 3.31).
+MAX_REGISTERS = {GGMLType.Q8_0: 128, GGMLType.IQ2_XXS: 128, GGMLType.Q2_K: 168}
 _KERNELS = {qt: _hmma_kernel(*spec, max_registers=MAX_REGISTERS[qt])
             for qt, spec in _SPECS.items()}
 

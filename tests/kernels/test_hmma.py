@@ -55,11 +55,13 @@ def test_dense_every_type(name):
     qtype = TYPES[name]
     rng = fresh_rng()
     K = 64 if qtype == GGMLType.Q8_0 else 256
-    w = _weight(qtype, 1, 40, K, rng)  # 40 rows, 19 tokens: partial row and token tiles
-    x = _x(rng, 19, K)
-    ref = np.empty((19, 40))
+    # 40 rows, 41 tokens: partial row tiles; a full token tile (the K loop without per-tile
+    # branches) and one of 9 tokens (two busy 8-token tiles, two skipped)
+    w = _weight(qtype, 1, 40, K, rng)
+    x = _x(rng, 41, K)
+    ref = np.empty((41, 40))
     hmma.gemm_hmma_ref(ref, w, x)
-    out = poisoned((19, 40))
+    out = poisoned((41, 40))
     hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x))
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
