@@ -121,7 +121,7 @@ def _word_pairs(w, signed):
     return p0, p1, p2, p3
 
 
-# ---- A fragments per type -------------------------------------------------------------------------
+# ---- A fragments per type ------------------------------------------------------------------------
 # Lane c of a quad owns the 8 consecutive columns 8c .. 8c+7 of the K step (see the docstring).
 # load(planes, e, n, k0, c) -> raw words (loads only: issued a K step ahead);
 # frag(raw, tab, c, k0) -> (4 float16 code pairs of columns 8c.., scale, dmin, m0, m1) of row n.
@@ -188,7 +188,8 @@ def _q2_k_frag(raw, tab, c, k0):
     q = (w >> uint64(2 * j)) & uint64(0x0303030303030303)
     v = q * uint64((b0 if c < 2 else b1) & 15)  # q·sc <= 45: no carry between bytes
     p0, p1, p2, p3 = _word_pairs(v, False)
-    return p0, p1, p2, p3, float32(d), float32(dmin), float32(b0 >> 4), float32(b1 >> 4)
+    dm = float32(dmin)  # the two sub-blocks' dmin · m, once a row rather than once an output
+    return p0, p1, p2, p3, float32(d), dm * float32(b0 >> 4), dm * float32(b1 >> 4), float32(0)
 
 
 # ---- x: a power-of-two row scale, two float16 limbs ----------------------------------------------
@@ -265,31 +266,54 @@ _prep_x_swiglu = _prep_kernel(_swiglu_value)
 
 
 _WORKSPACES: dict = {}  # id(stream) -> (stream, float32 device array)
+# (id(stream), rows, K) -> (stream, XLimbs): a prefill chunk asks for the same few shapes ~400
+# times, and Numba's slicing and views of device arrays cost the host ~0.1 ms each (H200 host,
+# 2026-12-03: carving x was 23% of a chunk's launch time under cProfile)
+_CARVED: dict = {}
+
+
+class XLimbs(tuple):
+    """(xh, xl, xsum, xs) as prepare_x returns them, with ``words``: the limbs as the uint64
+    views the GEMM kernel reads (made once with the buffers, not per launch)."""
+    words: tuple
 
 
 def use_workspace(stream, flat) -> None:
     """Carve the x of launches on ``stream`` out of ``flat`` (float32 [n]; the prefill's
     ``f16_x``, sized by layout.prefill_f16_x_floats) rather than stream-private buffers, so
-    that the planner counts it. Launches on one stream run in order: one x at a time."""
-    _WORKSPACES[id(stream)] = (stream, flat)
+    that the planner counts it. Launches on one stream run in order: one x at a time.
+    ``flat`` None: back to stream-private buffers."""
+    if flat is None:
+        _WORKSPACES.pop(id(stream), None)
+    else:
+        _WORKSPACES[id(stream)] = (stream, flat)
+    for key in [k for k in _CARVED if k[0] == id(stream)]:  # views of the old workspace
+        del _CARVED[key]
 
 
-def _x_buffers(stream, rows: int, K: int):
+def _x_buffers(stream, rows: int, K: int) -> XLimbs:
     """(xh, xl, xsum, xs) for ``rows`` rows, for layout.f16_x_rows(rows) rows: from the
     stream's workspace if it has one large enough, else stream-private buffers."""
+    key = (id(stream), rows, K)
+    hit = _CARVED.get(key)
+    if hit is not None and hit[0] is stream:  # (not a dead stream's id reused)
+        return hit[1]
     cap = f16_x_rows(rows)
     ws = _WORKSPACES.get(id(stream))
     if ws is not None and ws[1].shape[0] >= f16_x_floats(rows, K):
         flat, n, m = ws[1], cap * K // 2, cap * (K // 16)
-        return (flat[:n].view(np.float16).reshape(cap, K)[:rows],
-                flat[n:2 * n].view(np.float16).reshape(cap, K)[:rows],
-                flat[2 * n:2 * n + m].reshape(cap, K // 16)[:rows],
-                flat[2 * n + m:2 * n + m + cap][:rows])
-    xh = stream_buffer("hmma x hi", stream, (cap, K), np.float16)[:rows]
-    xl = stream_buffer("hmma x lo", stream, (cap, K), np.float16)[:rows]
-    xsum = stream_buffer("hmma x sums", stream, (cap, K // 16), np.float32)[:rows]
-    xs = stream_buffer("hmma x scales", stream, (cap,), np.float32)[:rows]
-    return xh, xl, xsum, xs
+        bufs = XLimbs((flat[:n].view(np.float16).reshape(cap, K)[:rows],
+                       flat[n:2 * n].view(np.float16).reshape(cap, K)[:rows],
+                       flat[2 * n:2 * n + m].reshape(cap, K // 16)[:rows],
+                       flat[2 * n + m:2 * n + m + cap][:rows]))
+    else:
+        bufs = XLimbs((stream_buffer("hmma x hi", stream, (cap, K), np.float16)[:rows],
+                       stream_buffer("hmma x lo", stream, (cap, K), np.float16)[:rows],
+                       stream_buffer("hmma x sums", stream, (cap, K // 16), np.float32)[:rows],
+                       stream_buffer("hmma x scales", stream, (cap,), np.float32)[:rows]))
+    bufs.words = (bufs[0].view(np.uint64), bufs[1].view(np.uint64))
+    _CARVED[key] = (stream, bufs)
+    return bufs
 
 
 def prepare_x(x, stream=0):
@@ -386,10 +410,19 @@ def _k_step(acc, q, a, b, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch):
     if MINS:
         v0, v1 = xm_s[jc0, 2 * ks], xm_s[jc0, 2 * ks + 1]
         w0, w1 = xm_s[jc0 + 1, 2 * ks], xm_s[jc0 + 1, 2 * ks + 1]
-        acc[q] += a[4] * d0 - a[5] * (a[6] * v0 + a[7] * v1)
-        acc[q + 1] += a[4] * d1 - a[5] * (a[6] * w0 + a[7] * w1)
-        acc[q + 2] += b[4] * d2 - b[5] * (b[6] * v0 + b[7] * v1)
-        acc[q + 3] += b[4] * d3 - b[5] * (b[6] * w0 + b[7] * w1)
+        # three multiply-adds an output (a[5], a[6]: dmin · m of the step's two sub-blocks)
+        acc[q] += a[4] * d0
+        acc[q] -= a[5] * v0
+        acc[q] -= a[6] * v1
+        acc[q + 1] += a[4] * d1
+        acc[q + 1] -= a[5] * w0
+        acc[q + 1] -= a[6] * w1
+        acc[q + 2] += b[4] * d2
+        acc[q + 2] -= b[5] * v0
+        acc[q + 2] -= b[6] * v1
+        acc[q + 3] += b[4] * d3
+        acc[q + 3] -= b[5] * w0
+        acc[q + 3] -= b[6] * w1
     else:
         acc[q] += a[4] * d0
         acc[q + 1] += a[4] * d1
@@ -521,10 +554,15 @@ def takes(w: QWeight) -> bool:
 
 
 def _planes(w: QWeight):
-    """The planes as the kernels take them: Q8_0's codes as uint64 words (a lane's 8)."""
-    if w.qtype == GGMLType.Q8_0:
-        return (w.planes[0].view(np.uint64), w.planes[1])
-    return w.planes
+    """The planes as the kernels take them: Q8_0's codes as uint64 words (a lane's 8), the view
+    made once and kept on the weight (a device array view costs the host ~0.1 ms)."""
+    if w.qtype != GGMLType.Q8_0:
+        return w.planes
+    planes = w.__dict__.get("_hmma_planes")
+    if planes is None:
+        planes = (w.planes[0].view(np.uint64), w.planes[1])
+        object.__setattr__(w, "_hmma_planes", planes)  # (QWeight is frozen: a cache, not state)
+    return planes
 
 
 def _table(w: QWeight):
@@ -539,6 +577,8 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
     prepare_x_swiglu; ``order`` / ``tiles`` as in mma.gemm_mma (expert_order's)."""
     R, N, K = out.shape[0], w.rows, w.cols
     xh, xl, xsum, xs = x_limbs
+    wh, wl = x_limbs.words if isinstance(x_limbs, XLimbs) else (xh.view(np.uint64),
+                                                                 xl.view(np.uint64))
     assert supports(w) and out.shape[1] == N and xh.shape[1] == K, (out.shape, w, xh.shape)
     assert xh.shape[0] * x_div >= R, (xh.shape, x_div, R)
     per_token = ids is not None
@@ -548,7 +588,7 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
         order = _device_const(f"mma_identity_{R}", np.arange(R, dtype=np.int32))
     gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
     _KERNELS[w.qtype][(cdiv(N, BM), gy), THREADS, stream](
-        out, _planes(w), xh.view(np.uint64), xl.view(np.uint64), xsum, xs,
+        out, _planes(w), wh, wl, xsum, xs,
         ids if per_token else one, order if per_token else one,
         _no_tiles() if tiles is None else tiles, _table(w),
         ALIGNED if tiles is not None else int(per_token), x_div, N, K)

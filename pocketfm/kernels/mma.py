@@ -59,8 +59,7 @@ from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, xor_shfl
 from .gemv import (_STATE, _bits_f32, _dq_bf16, _dq_f16, _dq_q8_0, _dummies, _split_partials,
                    _sum_splits, gemm_splits, gemv_ref)
-from .lowbit_layout import (_f32_bits, _half, _iq2_xxs_word, _mxfp4_word, _q2_k_word,
-                            _q4_k_word)
+from .lowbit_layout import _f32_bits, _half, _mxfp4_word, _q4_k_word
 from .qweight import QWeight
 
 KT = 32  # columns per K step (one Q8_0 block; 256-column super-blocks hold 8)

@@ -139,5 +139,13 @@ def test_workspace_carving():
         assert big[0].shape == (70, K)
         np.testing.assert_array_equal(flat.copy_to_host()[:n].view(np.float16).reshape(64, K)[:R],
                                       hi)
+        # carved once per shape; a workspace registered anew replaces the carving
+        assert hmma.prepare_x(cuda.to_device(x), stream)[0] is limbs[0]
+        flat2 = cuda.to_device(np.zeros(f16_x_floats(R, K), np.float32))
+        hmma.use_workspace(stream, flat2)
+        moved = hmma.prepare_x(cuda.to_device(x), stream)
+        assert moved[0] is not limbs[0]
+        np.testing.assert_array_equal(
+            flat2.copy_to_host()[:n].view(np.float16).reshape(64, K)[:R], hi)
     finally:
-        hmma._WORKSPACES.pop(id(stream))
+        hmma.use_workspace(stream, None)
