@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from .. import ops
 from . import device, kvpack
@@ -59,7 +59,7 @@ from .bench import BenchCase
 from .device import cdiv, xor_shfl
 from .gemv import _bits_f32
 from .lowbit_layout import _f32_bits
-from .mma import _mma_bf16, _split_pair
+from .mma import _ldsm_x4, _ldsm_x4_trans, _mma_bf16, _split_pair
 
 WIN, CHUNK, COMP = 0, 1, 2  # key sources; a tile slot's code is 4·row + source (-1: no key)
 # The tile kernel needs 156 registers unbounded (the decode kernel 128: three key sources and
@@ -278,11 +278,14 @@ def _tile_kernel(K: int, R: int, NT: int):
 
 # ---- tensor-core kernel: S = Q·Kᵀ and O += P·V as MMAs, one block per (token, 16·MT heads) ----
 MKC = 16  # key slots per tile: one 16-wide k-step of P·V
-LDP = MKC // 2  # words per row of P and of the dim-major tile: g·8 + 2c, conflict-free
+LDP = MKC // 2  # words per row of P (bf16 key pairs)
 MAX_MT = 2  # m-tiles (16 heads each) per block: 4 warps each
 MXCH = 32 * 4 * MAX_MT * 6 if device.SIMULATOR else 1  # simulator MMA exchange (mma.py)
 MSHF = 32 * 4 * MAX_MT if device.SIMULATOR else 1  # simulator lane exchange
 _MMAS: dict = {}
+# float32, not Python's float: a variable once assigned -math.inf is typed float64 by Numba,
+# and the softmax's exps then ran in double precision (43 DFMAs a tile in the SASS)
+NEG_INF = np.float32(-np.inf)
 
 
 @_inline
@@ -325,10 +328,11 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
     SQ = K // 64  # score k-steps per warp (its K/4 dims)
     NI = K // 32  # output n-tiles per warp (its K/4 dims, 8 each)
     NQ, NACC = 4 * SQ, 4 * NI  # (literals for cuda.local.array)
-    LDK = K // 2 + 8  # key-major row words: 8 mod 32, so g·LDK + 2c is conflict-free
-    KT0 = 0  # kt[key][dim pair]: the B operand of S = Q·Kᵀ
-    VT0 = KT0 + MKC * LDK  # vt[dim][key pair]: the B operand of O += P·V
-    SP0 = VT0 + K * LDP  # sp[quarter][head][key]: the warps' partial scores (float32)
+    # key-major rows of LDK words, 4 mod 32: the 8 16-byte rows an ldmatrix reads sit in
+    # different banks
+    LDK = K // 2 + 4
+    KT0 = 0  # kt[key][dim pair]: the B operand of S = Q·Kᵀ, and (transposed) of O += P·V
+    SP0 = KT0 + MKC * LDK  # sp[quarter][head][key]: the warps' partial scores (float32)
     PH0 = SP0 + 4 * HG * (MKC + 1)  # P as bf16 pairs, hi then lo, [head][key pair]
     PL0 = PH0 + HG * LDP
     AL0 = PL0 + HG * LDP  # per head: the tile's rescale factor, running max, running sum
@@ -353,7 +357,6 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
         win, chunk, comp: the packed entries as uint64 words."""
         smem_u = cuda.shared.array(0, uint32)
         smem_f = cuda.shared.array(0, float32)  # the same bytes
-        smem_h = cuda.shared.array(0, uint16)
         kcode = cuda.shared.array((3, MKC), int32)  # tiles i, i+1, i+2 (at i % 3 ..)
         kscl = cuda.shared.array((2, MKC), uint64)  # tiles i, i+1 (at i % 2 ..): scale words
         xch = cuda.shared.array(MXCH, np.int64)
@@ -369,14 +372,13 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
         mt, wq = w >> 2, w & 3  # the warp's m-tile (heads 16mt ..) and dim quarter
         hr = 16 * mt  # its first row of the block's heads
         zero = float32(0.0)
-        # q's A fragments for this warp's dims, scaled, hi + lo (k permuted: lane c holds
-        # dims 4c .. 4c+3 of each 16-dim step, as the key fragments below)
+        # q's A fragments for this warp's dims, scaled, hi + lo
         qh = cuda.local.array(NQ, uint32)
         ql = cuda.local.array(NQ, uint32)
         for s in range(SQ):
-            for r in range(4):  # (g, 4c), (g+8, 4c), (g, 4c+2), (g+8, 4c+2)
+            for r in range(4):  # (g, 2c), (g+8, 2c), (g, 2c+8), (g+8, 2c+8)
                 h = h0 + hr + g + 8 * (r & 1)
-                d = (K // 4) * wq + 16 * s + 4 * c + 2 * (r >> 1)
+                d = (K // 4) * wq + 16 * s + 2 * c + 8 * (r >> 1)
                 v0 = q[t, h, d] * scale if h < H else zero
                 v1 = q[t, h, d + 1] * scale if h < H else zero
                 qh[4 * s + r], ql[4 * s + r] = _split_pair(v0, v1)
@@ -387,7 +389,7 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
         for i in range(NACC):
             acc[i] = zero
         if tid < HG:
-            smem_f[M0 + tid] = -math.inf
+            smem_f[M0 + tid] = NEG_INF
             smem_f[L0 + tid] = zero
         p0 = int(pos0[0])  # DEC: the window's entry count
         if DEC:  # this split's whole tiles of the list: slots tb0·MKC .. send-1
@@ -435,7 +437,6 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                         sb = uint32(kscl[ti & 1, kk] >> uint64(8 * (j // 8))) & uint32(255)
                         cs = _bits_f32(sb << uint32(23)) if sb > 0 else float32(2.0 ** -127)
                         o = KT0 + kk * LDK + 4 * j
-                        vh = 2 * (VT0 + 8 * j * LDP) + kk
                         for e in range(2):
                             wd = hi if e else lo
                             b0 = _fp8_bf16(wd & uint32(255), cs)
@@ -444,19 +445,10 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                             b3 = _fp8_bf16(wd >> uint32(24), cs)
                             smem_u[o + 2 * e] = b0 | (b1 << uint32(16))
                             smem_u[o + 2 * e + 1] = b2 | (b3 << uint32(16))
-                            smem_h[vh + 8 * e * LDP] = b0
-                            smem_h[vh + (8 * e + 2) * LDP] = b1
-                            smem_h[vh + (8 * e + 4) * LDP] = b2
-                            smem_h[vh + (8 * e + 6) * LDP] = b3
                     else:  # 4 bf16 rope dims, as they are
                         d = NOPE + 4 * (j - NF8)
                         smem_u[KT0 + kk * LDK + d // 2] = lo
                         smem_u[KT0 + kk * LDK + d // 2 + 1] = hi
-                        vh = 2 * (VT0 + d * LDP) + kk
-                        smem_h[vh] = lo & uint32(0xFFFF)
-                        smem_h[vh + 2 * LDP] = lo >> uint32(16)
-                        smem_h[vh + 4 * LDP] = hi & uint32(0xFFFF)
-                        smem_h[vh + 6 * LDP] = hi >> uint32(16)
             cuda.syncthreads()
             # the next tile's words and the codes of the one after, requested now: in flight
             # during this tile's MMAs
@@ -468,14 +460,17 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                     code2 = _decode_key_code(m, p0, W, sel, all_visible, ncap)
                 else:
                     code2 = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap)
-            # 2. this warp's part of the scores: its K/4 dims, 2 n-tiles, hi and lo
+            # 2. this warp's part of the scores: its K/4 dims, 2 n-tiles, hi and lo. One
+            # ldmatrix a k-step: lane 8m + r points at key r + 8(m >> 1), dims + 8(m & 1)
             for i in range(8):
                 sh[i] = zero
                 sl[i] = zero
+            lm = lane >> 3
+            ks = KT0 + ((lane & 7) + 8 * (lm >> 1)) * LDK + (K // 8) * wq + 4 * (lm & 1)
             for s in range(SQ):
+                kb = _ldsm_x4(smem_u, ks + 8 * s, xch)
                 for ni in range(2):
-                    kw = KT0 + (8 * ni + g) * LDK + (K // 8) * wq + 8 * s + 2 * c
-                    b0, b1 = smem_u[kw], smem_u[kw + 1]
+                    b0, b1 = kb[2 * ni], kb[2 * ni + 1]
                     j = 4 * ni
                     sh[j], sh[j + 1], sh[j + 2], sh[j + 3] = _mma_bf16(
                         qh[4 * s], qh[4 * s + 1], qh[4 * s + 2], qh[4 * s + 3], b0, b1,
@@ -497,9 +492,9 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                 s0 += smem_f[SP0 + (qq * HG + row) * (MKC + 1) + 2 * i]
                 s1 += smem_f[SP0 + (qq * HG + row) * (MKC + 1) + 2 * i + 1]
             if kcode[cur, 2 * i] < 0:
-                s0 = -math.inf
+                s0 = NEG_INF
             if kcode[cur, 2 * i + 1] < 0:
-                s1 = -math.inf
+                s1 = NEG_INF
             mx = max(s0, s1)
             mx = max(mx, xor_shfl(mx, 1, shf))
             mx = max(mx, xor_shfl(mx, 2, shf))
@@ -507,7 +502,7 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
             m_old = smem_f[M0 + row]
             m_new = max(m_old, mx)
             e0, e1, alpha = zero, zero, float32(1.0)
-            if m_new > -math.inf:  # (a row that has seen no key yet keeps alpha = 1)
+            if m_new > NEG_INF:  # (a row that has seen no key yet keeps alpha = 1)
                 e0 = float32(math.exp(s0 - m_new))  # -inf: 0
                 e1 = float32(math.exp(s1 - m_new))
                 alpha = float32(math.exp(m_old - m_new))  # first live tile: 0
@@ -533,21 +528,26 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                 acc[4 * ni + 1] *= al0
                 acc[4 * ni + 2] *= al1
                 acc[4 * ni + 3] *= al1
-            pa = PH0 + (hr + g) * LDP + 2 * c
-            pb = PL0 + (hr + g) * LDP + 2 * c
-            ah0, ah1, ah2, ah3 = smem_u[pa], smem_u[pa + 8 * LDP], smem_u[pa + 1], \
-                smem_u[pa + 8 * LDP + 1]
-            al_0, al_1, al_2, al_3 = smem_u[pb], smem_u[pb + 8 * LDP], smem_u[pb + 1], \
-                smem_u[pb + 8 * LDP + 1]
-            for ni in range(NI):
-                vw = VT0 + ((K // 4) * wq + 8 * ni + g) * LDP + 2 * c
-                b0, b1 = smem_u[vw], smem_u[vw + 1]
-                j = 4 * ni
-                acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
-                    ah0, ah1, ah2, ah3, b0, b1, acc[j], acc[j + 1], acc[j + 2], acc[j + 3], xch)
-                acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
-                    al_0, al_1, al_2, al_3, b0, b1, acc[j], acc[j + 1], acc[j + 2], acc[j + 3],
-                    xch)
+            pa = PH0 + (hr + g) * LDP + c
+            pb = PL0 + (hr + g) * LDP + c
+            ah0, ah1, ah2, ah3 = smem_u[pa], smem_u[pa + 8 * LDP], smem_u[pa + 4], \
+                smem_u[pa + 8 * LDP + 4]
+            al_0, al_1, al_2, al_3 = smem_u[pb], smem_u[pb + 8 * LDP], smem_u[pb + 4], \
+                smem_u[pb + 8 * LDP + 4]
+            # V = the same key-major tile, transposed by ldmatrix: lane 8m + r points at key
+            # r + 8(m & 1), output dims 8(ni + (m >> 1)) ..; one load, two n-tiles
+            vs = KT0 + ((lane & 7) + 8 * (lm & 1)) * LDK + (K // 8) * wq + 4 * (lm >> 1)
+            for nj in range(NI // 2):
+                vb = _ldsm_x4_trans(smem_u, vs + 8 * nj, xch)
+                for e in range(2):
+                    b0, b1 = vb[2 * e], vb[2 * e + 1]
+                    j = 8 * nj + 4 * e
+                    acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
+                        ah0, ah1, ah2, ah3, b0, b1, acc[j], acc[j + 1], acc[j + 2], acc[j + 3],
+                        xch)
+                    acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
+                        al_0, al_1, al_2, al_3, b0, b1, acc[j], acc[j + 1], acc[j + 2],
+                        acc[j + 3], xch)
             cuda.syncthreads()  # every warp is done with kt, vt and P: the next decode
         for r in range(2):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
             row = hr + g + 8 * r

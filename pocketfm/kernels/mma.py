@@ -116,6 +116,40 @@ if SIMULATOR:
     def _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):
         """As _mma_bf16 with float16 operands (the same fragment layout)."""
         return _mma_emulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch, True)
+
+    def _ldsm_emulated(words, i, xch, trans):
+        """ldmatrix.x4 for the simulator: each lane's row address (a word index into
+        ``words``) exchanged through ``xch`` between two barriers, so every thread calls."""
+        t = cuda.threadIdx.x
+        base, lane = t - t % 32, t % 32
+        xch[t * 6] = int(i)
+        cuda.syncthreads()
+        rows = [int(xch[(base + k) * 6]) for k in range(32)]
+        cuda.syncthreads()
+        g, c = lane >> 2, lane & 3
+
+        def half(r, col):  # element col (0 .. 7) of the 8-element row at word index r
+            return (int(words[r + col // 2]) >> (16 * (col % 2))) & 0xFFFF
+        out = []
+        for m in range(4):
+            if trans:  # (row 2c, column g), (row 2c+1, column g)
+                out.append(half(rows[8 * m + 2 * c], g) | half(rows[8 * m + 2 * c + 1], g) << 16)
+            else:  # row g, columns 2c and 2c+1: its word c
+                out.append(int(words[rows[8 * m + g] + c]))
+        return tuple(np.uint32(v) for v in out)
+
+    @cuda.jit(device=True)
+    def _ldsm_x4(words, i, xch):
+        """ldmatrix.m8n8.x4.b16 from shared ``words`` (uint32): lane 8m + r gives row r of
+        matrix m as the word index ``i`` of its 8 bf16 (16 bytes, 16-byte aligned); returns the
+        lane's word of each matrix (row g, columns 2c, 2c+1), as an MMA fragment wants them."""
+        return _ldsm_emulated(words, i, xch, False)
+
+    @cuda.jit(device=True)
+    def _ldsm_x4_trans(words, i, xch):
+        """As _ldsm_x4, transposed: the lane's word of matrix m is (row 2c, column g) in the
+        low half and (row 2c+1, column g) in the high half."""
+        return _ldsm_emulated(words, i, xch, True)
 else:
     from llvmlite import ir
     from numba import types
@@ -147,6 +181,41 @@ else:
         return mma
 
     _mma_ptx, _mma_f16_ptx = _mma_intrinsic("bf16"), _mma_intrinsic("f16")
+
+    def _ldsm_intrinsic(trans: bool):
+        """ldmatrix.m8n8.x4 (``trans``: .trans) of shared uint32 words[i] (generic address)."""
+        ptx = (f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.b16 "
+               "{$0, $1, $2, $3}, [$4];")
+
+        @intrinsic
+        def ldsm(typingctx, words, i):
+            if not (isinstance(words, types.Array) and words.dtype == types.uint32
+                    and isinstance(i, types.Integer)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                i32, i64 = ir.IntType(32), ir.IntType(64)
+                ary = context.make_array(sig.args[0])(context, builder, args[0])
+                k = context.cast(builder, args[1], sig.args[1], types.int64)
+                addr = builder.ptrtoint(builder.gep(ary.data, [k]), i64)
+                fty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64])
+                # side effect: it reads shared memory, so it stays between its barriers
+                asm = ir.InlineAsm(fty, ptx, "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+                s = builder.call(asm, [addr])
+                return cgutils.pack_array(builder,
+                                          [builder.extract_value(s, m) for m in range(4)])
+            return types.UniTuple(types.uint32, 4)(words, i), codegen
+        return ldsm
+
+    _ldsm_ptx, _ldsm_trans_ptx = _ldsm_intrinsic(False), _ldsm_intrinsic(True)
+
+    @cuda.jit(device=True)
+    def _ldsm_x4(words, i, xch):
+        return _ldsm_ptx(words, i)
+
+    @cuda.jit(device=True)
+    def _ldsm_x4_trans(words, i, xch):
+        return _ldsm_trans_ptx(words, i)
 
     @cuda.jit(device=True)
     def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):
