@@ -313,6 +313,11 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("zeros_T", T, dtype=i32)
     s.add("ones_T", T)
     s.add("o", T, H, K)
+    # the HCA layers' compressed rows decoded once a layer and chunk (attention_prefill's
+    # ``keys``: bf16 pairs, whole 16-row tiles), one buffer for every HCA layer
+    hca = [max(1, capacity // r) for r in ratios if r != 4]
+    if hca:
+        s.add("hca_keys", -(-max(hca) // 16) * 16, K // 2, dtype=np.uint32)
     s.add("o_groups", G, T, H // G * K)
     s.add("y_groups", G, T, cfg.o_rank)
     s.add("y", T, G, cfg.o_rank)

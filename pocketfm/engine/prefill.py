@@ -169,7 +169,8 @@ class ChunkPrefill:
                               scale, stream=s, threads=nt)
         elif c.ratio:  # HCA: every visible entry
             attention_prefill(*args, comp, self.no_sel[:T], self.visible[c.ratio], 1,
-                              self.pos0, L.sinks, scale, stream=s, threads=nt)
+                              self.pos0, L.sinks, scale, stream=s, threads=nt,
+                              keys=self.hca_keys)
         else:
             attention_prefill(*args, eng.no_comp, self.no_sel[:T], self.zeros_T[:T], 0,
                               self.pos0, L.sinks, scale, stream=s, threads=nt)

@@ -59,7 +59,8 @@ from .bench import BenchCase
 from .device import cdiv, xor_shfl
 from .gemv import _bits_f32
 from .lowbit_layout import _f32_bits
-from .mma import _ldsm_x4, _ldsm_x4_trans, _mma_bf16, _split_pair
+from .mma import (_cp_async16, _cp_async_commit, _cp_async_wait1, _ldsm_x4, _ldsm_x4_trans,
+                  _mma_bf16, _split_pair)
 
 WIN, CHUNK, COMP = 0, 1, 2  # key sources; a tile slot's code is 4·row + source (-1: no key)
 # The tile kernel needs 156 registers unbounded (the decode kernel 128: three key sources and
@@ -298,6 +299,37 @@ def _fp8_bf16(b, c):
 
 
 @_inline
+def _block_scale(sword, j):
+    """The float32 scale 2**(s - 127) of FP8 word j's 64-dim block from the entry's scale word
+    (s = 0: 2**-127, which float32 holds only as a denormal)."""
+    sb = uint32(sword >> uint64(8 * (j // 8))) & uint32(255)
+    return _bits_f32(sb << uint32(23)) if sb > 0 else float32(2.0 ** -127)
+
+
+@_inline
+def _fp8x4_pairs(wd, cs):
+    """Four e4m3 codes (bytes of wd, low first) times cs as two bf16-pair words."""
+    b0 = _fp8_bf16(wd & uint32(255), cs)
+    b1 = _fp8_bf16((wd >> uint32(8)) & uint32(255), cs)
+    b2 = _fp8_bf16((wd >> uint32(16)) & uint32(255), cs)
+    b3 = _fp8_bf16(wd >> uint32(24), cs)
+    return b0 | (b1 << uint32(16)), b2 | (b3 << uint32(16))
+
+
+@_inline
+def _hca_key_code(m, t, p0, W, nwc, nct16, ncomp):
+    """Code of slot m of an HCA token's key list when the compressed rows come decoded
+    (``keys``): rows 0 .. nct16-1 first (tile-aligned; ncomp .. nct16-1 are no keys), then the
+    window's nwc positions as in _key_code."""
+    if m < nct16:
+        return 4 * m + COMP if m < ncomp else -1
+    kp = p0 + t - nwc + 1 + (m - nct16)  # (_key_code's window part)
+    if kp < p0:
+        return 4 * (kp % W) + WIN
+    return 4 * (kp - p0) + CHUNK
+
+
+@_inline
 def _decode_key_code(m, nwin, W, sel, all_visible, ncap):
     """Code of slot m of the decode's key list (attention.attention_decode's order): window
     row m (valid below nwin), then compressed slot i = m - W: row i (HCA) or sel[0, i] (CSA)."""
@@ -310,13 +342,17 @@ def _decode_key_code(m, nwin, W, sel, all_visible, ncap):
     return 4 * j + COMP if j >= 0 and j < ncap else -1
 
 
-def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
+def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
     """(kernel, threads, dynamic shared bytes) of the tensor-core prefill attention for head
     dim K, R rope dims and MT m-tiles of 16 heads a block (closure constants: literal offsets,
     register arrays of fixed size). ``DEC``: the decode form (attention_decode_mma): one token,
-    its key list split over blockIdx.x, partials out."""
-    if (K, R, MT, DEC) in _MMAS:
-        return _MMAS[(K, R, MT, DEC)]
+    its key list split over blockIdx.x, partials out. ``PRE``: HCA with its compressed rows
+    decoded once (``keys``): each token's list starts with them in whole tiles, which arrive
+    by cp.async into two alternating buffers (the next one in flight during this one's MMAs),
+    then the window, decoded in the kernel as usual. (A separate build: the branches and the
+    second buffer made the other forms ~15% slower.)"""
+    if (K, R, MT, DEC, PRE) in _MMAS:
+        return _MMAS[(K, R, MT, DEC, PRE)]
     if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT:
         raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}")
     NOPE = K - R
@@ -331,8 +367,13 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
     # key-major rows of LDK words, 4 mod 32: the 8 16-byte rows an ldmatrix reads sit in
     # different banks
     LDK = K // 2 + 4
-    KT0 = 0  # kt[key][dim pair]: the B operand of S = Q·Kᵀ, and (transposed) of O += P·V
-    SP0 = KT0 + MKC * LDK  # sp[quarter][head][key]: the warps' partial scores (float32)
+    # kt[2][key][dim pair], two buffers (tile i in buffer i % 2): the B operand of S = Q·Kᵀ,
+    # and (transposed) of O += P·V
+    KT0 = 0
+    KTB = MKC * LDK  # words per buffer (one buffer without PRE: its tiles are all decoded
+    # in the kernel, after the barrier that ends the last reader of the previous tile)
+    NCP = cdiv(MKC * K // 8, NT)  # 16-byte copies per thread of a decoded tile (``keys``)
+    SP0 = KT0 + (2 if PRE else 1) * KTB  # sp[quarter][head][key]: the warps' partial scores (float32)
     PH0 = SP0 + 4 * HG * (MKC + 1)  # P as bf16 pairs, hi then lo, [head][key pair]
     PL0 = PH0 + HG * LDP
     AL0 = PL0 + HG * LDP  # per head: the tile's rescale factor, running max, running sum
@@ -350,11 +391,23 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
             wv[u] = _entry_word(win, chunk, comp, kcode[b, it - j * MKC], j)
         return _entry_word(win, chunk, comp, kcode[b, min(tid, MKC - 1)], NW8)
 
+    @_inline
+    def _copy_tile(smem_u, dst, keys, row0, tid):
+        """cp.async rows row0 .. row0 + MKC-1 of the decoded keys into the kt buffer at word
+        dst (16-byte pieces, a row's pieces on consecutive threads)."""
+        for u in range(NCP):
+            it = tid + u * NT
+            if it < MKC * K // 8:
+                kk = it // (K // 8)
+                p = it - kk * (K // 8)
+                _cp_async16(smem_u, dst + kk * LDK + 4 * p, keys, (row0 + kk) * (K // 2) + 4 * p)
+
     @device.kernel
-    def _attention_prefill_mma(out, q, win, chunk, comp, sel, n_comp, all_visible, pos0,
+    def _attention_prefill_mma(out, q, win, chunk, comp, keys, sel, n_comp, all_visible, pos0,
                                sinks, scale):
         """out[t, h0 .. h0 + HG-1] for t = blockIdx.x, h0 = HG·blockIdx.y (module doc);
-        win, chunk, comp: the packed entries as uint64 words."""
+        win, chunk, comp: the packed entries as uint64 words; keys: comp's rows decoded
+        (uint32 bf16 pairs [rows, K/2], HCA) or a [1, 1] placeholder."""
         smem_u = cuda.shared.array(0, uint32)
         smem_f = cuda.shared.array(0, float32)  # the same bytes
         kcode = cuda.shared.array((3, MKC), int32)  # tiles i, i+1, i+2 (at i % 3 ..)
@@ -403,6 +456,11 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
             nslot = nwc + _comp_count(t, sel, n_comp, all_visible, ncap)
             tb0 = 0
             send = nslot
+        # decoded HCA rows: the compressed part first, in whole tiles copied from ``keys``
+        ncomp = nslot - nwc
+        nct = (ncomp + MKC - 1) // MKC if PRE else 0
+        if PRE:
+            send = nct * MKC + nwc
         # The pipeline: tile i's words (and its keys' scale words) are requested during tile
         # i-1's MMAs, its key codes during tile i-2 (a code may need sel[t, ·] first: two
         # dependent reads kept off the path between barriers).
@@ -415,49 +473,61 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                 if m < send:
                     if DEC:
                         code = _decode_key_code(m, p0, W, sel, all_visible, ncap)
+                    elif PRE:
+                        code = _hca_key_code(m, t, p0, W, nwc, nct * MKC, ncomp)
                     else:
                         code = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap)
                 kcode[i, tid] = code
+        sw = uint64(0)
+        if PRE:  # decoded tile 0 on its way to buffer 0 (a group committed either way)
+            if nct > 0:
+                _copy_tile(smem_u, KT0, keys, 0, tid)
+            _cp_async_commit()
         cuda.syncthreads()
-        sw = _request_tile(wv, win, chunk, comp, kcode, 0, tid)
-        if tid < MKC:
-            kscl[0, tid] = sw
+        if nct == 0:
+            sw = _request_tile(wv, win, chunk, comp, kcode, 0, tid)
+            if tid < MKC:
+                kscl[0, tid] = sw
         cuda.syncthreads()
         for ti in range(max(0, (send - tb0 * MKC + MKC - 1) // MKC)):
             cur, nxt = ti % 3, (ti + 1) % 3
-            # 1. decode this tile (words in wv) into kt and vt
-            for u in range(NLD):
-                it = tid + u * NT
-                if it < MKC * NW8:
-                    j = it // MKC
-                    kk = it - j * MKC
-                    x = wv[u] if kcode[cur, kk] >= 0 else uint64(0)
-                    lo, hi = uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32))
-                    if j < NF8:  # 8 FP8 dims 8j .. 8j+7
-                        sb = uint32(kscl[ti & 1, kk] >> uint64(8 * (j // 8))) & uint32(255)
-                        cs = _bits_f32(sb << uint32(23)) if sb > 0 else float32(2.0 ** -127)
-                        o = KT0 + kk * LDK + 4 * j
-                        for e in range(2):
-                            wd = hi if e else lo
-                            b0 = _fp8_bf16(wd & uint32(255), cs)
-                            b1 = _fp8_bf16((wd >> uint32(8)) & uint32(255), cs)
-                            b2 = _fp8_bf16((wd >> uint32(16)) & uint32(255), cs)
-                            b3 = _fp8_bf16(wd >> uint32(24), cs)
-                            smem_u[o + 2 * e] = b0 | (b1 << uint32(16))
-                            smem_u[o + 2 * e + 1] = b2 | (b3 << uint32(16))
-                    else:  # 4 bf16 rope dims, as they are
-                        d = NOPE + 4 * (j - NF8)
-                        smem_u[KT0 + kk * LDK + d // 2] = lo
-                        smem_u[KT0 + kk * LDK + d // 2 + 1] = hi
+            kb = KT0 + (ti & 1) * KTB if PRE else KT0  # this tile's buffer
+            # 1. this tile into kt: copied (decoded rows, on their way since the last tile)
+            # or decoded here from the packed words in wv
+            if ti >= nct:
+                for u in range(NLD):
+                    it = tid + u * NT
+                    if it < MKC * NW8:
+                        j = it // MKC
+                        kk = it - j * MKC
+                        x = wv[u] if kcode[cur, kk] >= 0 else uint64(0)
+                        lo, hi = uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32))
+                        o = kb + kk * LDK
+                        if j < NF8:  # 8 FP8 dims 8j .. 8j+7
+                            cs = _block_scale(kscl[ti & 1, kk], j)
+                            smem_u[o + 4 * j], smem_u[o + 4 * j + 1] = _fp8x4_pairs(lo, cs)
+                            smem_u[o + 4 * j + 2], smem_u[o + 4 * j + 3] = _fp8x4_pairs(hi, cs)
+                        else:  # 4 bf16 rope dims, as they are
+                            d = NOPE + 4 * (j - NF8)
+                            smem_u[o + d // 2] = lo
+                            smem_u[o + d // 2 + 1] = hi
+            if PRE:
+                if ti + 1 < nct:  # the next decoded tile into the other buffer (tile i-1's)
+                    _copy_tile(smem_u, KT0 + ((ti + 1) & 1) * KTB, keys, (ti + 1) * MKC, tid)
+                _cp_async_commit()
+                _cp_async_wait1()  # this tile's copies have landed (the group before the last)
             cuda.syncthreads()
             # the next tile's words and the codes of the one after, requested now: in flight
             # during this tile's MMAs
-            sw = _request_tile(wv, win, chunk, comp, kcode, nxt, tid)
+            if ti + 1 >= nct:
+                sw = _request_tile(wv, win, chunk, comp, kcode, nxt, tid)
             m = (tb0 + ti + 2) * MKC + tid
             code2 = -1
             if tid < MKC and m < send:
                 if DEC:
                     code2 = _decode_key_code(m, p0, W, sel, all_visible, ncap)
+                elif PRE:
+                    code2 = _hca_key_code(m, t, p0, W, nwc, nct * MKC, ncomp)
                 else:
                     code2 = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap)
             # 2. this warp's part of the scores: its K/4 dims, 2 n-tiles, hi and lo. One
@@ -466,11 +536,11 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                 sh[i] = zero
                 sl[i] = zero
             lm = lane >> 3
-            ks = KT0 + ((lane & 7) + 8 * (lm >> 1)) * LDK + (K // 8) * wq + 4 * (lm & 1)
+            ks = kb + ((lane & 7) + 8 * (lm >> 1)) * LDK + (K // 8) * wq + 4 * (lm & 1)
             for s in range(SQ):
-                kb = _ldsm_x4(smem_u, ks + 8 * s, xch)
+                kf = _ldsm_x4(smem_u, ks + 8 * s, xch)
                 for ni in range(2):
-                    b0, b1 = kb[2 * ni], kb[2 * ni + 1]
+                    b0, b1 = kf[2 * ni], kf[2 * ni + 1]
                     j = 4 * ni
                     sh[j], sh[j + 1], sh[j + 2], sh[j + 3] = _mma_bf16(
                         qh[4 * s], qh[4 * s + 1], qh[4 * s + 2], qh[4 * s + 3], b0, b1,
@@ -536,7 +606,7 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
                 smem_u[pb + 8 * LDP + 4]
             # V = the same key-major tile, transposed by ldmatrix: lane 8m + r points at key
             # r + 8(m & 1), output dims 8(ni + (m >> 1)) ..; one load, two n-tiles
-            vs = KT0 + ((lane & 7) + 8 * (lm & 1)) * LDK + (K // 8) * wq + 4 * (lm >> 1)
+            vs = kb + ((lane & 7) + 8 * (lm & 1)) * LDK + (K // 8) * wq + 4 * (lm >> 1)
             for nj in range(NI // 2):
                 vb = _ldsm_x4_trans(smem_u, vs + 8 * nj, xch)
                 for e in range(2):
@@ -574,8 +644,37 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False):
 
     if DEC:
         _attention_prefill_mma.__name__ = "_attention_decode_mma"
-    _MMAS[(K, R, MT, DEC)] = (_attention_prefill_mma, NT, 4 * WORDS)
-    return _MMAS[(K, R, MT, DEC)]
+    if PRE:
+        _attention_prefill_mma.__name__ = "_attention_prefill_mma_decoded"
+    _MMAS[(K, R, MT, DEC, PRE)] = (_attention_prefill_mma, NT, 4 * WORDS)
+    return _MMAS[(K, R, MT, DEC, PRE)]
+
+
+@device.kernel
+def _decode_rows(keys, comp, n_comp):
+    """keys[r] <- packed row r of comp decoded to bf16 pairs, for r < n = min(n_comp[T-1],
+    rows of comp); rows n .. n rounded up to 16 get zeros (a tile's rows past a token's count
+    are masked, and must be finite for P = 0 times them to vanish). One uint64 word a
+    thread, grid-stride; comp as uint64 words [rows, NW8 + 1] (the last word holds the
+    scales), keys uint32 [>= rows rounded up to 16, K/2]."""
+    KH = keys.shape[1]
+    NW8 = comp.shape[1] - 1
+    NF8 = KH // 2 - NW8  # FP8 words: NW8 = NOPE/8 + R/4 and K = NOPE + R
+    n = max(0, min(int(n_comp[n_comp.shape[0] - 1]), comp.shape[0]))
+    n16 = min((n + 15) // 16 * 16, keys.shape[0])
+    for i in range(cuda.grid(1), n16 * NW8, cuda.gridsize(1)):
+        r = i // NW8
+        j = i - r * NW8
+        x = comp[r, j] if r < n else uint64(0)
+        lo, hi = uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32))
+        if j < NF8:  # 8 FP8 dims 8j .. 8j+7
+            cs = _block_scale(comp[r, NW8] if r < n else uint64(0), j)
+            keys[r, 4 * j], keys[r, 4 * j + 1] = _fp8x4_pairs(lo, cs)
+            keys[r, 4 * j + 2], keys[r, 4 * j + 3] = _fp8x4_pairs(hi, cs)
+        else:  # 4 bf16 rope dims
+            d = 8 * NF8 + 4 * (j - NF8)
+            keys[r, d // 2] = lo
+            keys[r, d // 2 + 1] = hi
 
 
 @device.kernel
@@ -596,7 +695,7 @@ def _store_chunk_rows(win, chunk, pos0):
 # ---- launchers --------------------------------------------------------------------------------
 def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_comp_visible,
                       all_visible: int, pos0, sinks, scale: float, stream=0, threads=None,
-                      naive: bool = False, mma=None) -> None:
+                      naive: bool = False, mma=None, keys=None) -> None:
     """out[T, H, K] f32 <- chunked-prefill sink attention of q[T, H, K] (see the module doc):
     window_packed[W, bytes] the ring before the chunk, chunk_packed[T, bytes] the chunk's own
     entries, comp_packed[Ncap, bytes]; sel[T, S] int32 (CSA; -1 = none; S = 1 of -1 for
@@ -604,7 +703,10 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     sinks[H] f32 — all device arrays. One launch, no allocation, no host sync.
 
     ``mma`` True / False / None (pick): the tensor-core kernel, by default on a GPU; the
-    simulator's engine keeps the tile kernel (``mma=True`` forces it, for its tests)."""
+    simulator's engine keeps the tile kernel (``mma=True`` forces it, for its tests).
+    ``keys``: a uint32 workspace [>= comp rows rounded up to 16, K/2] for HCA on the tensor
+    cores: comp's visible rows are decoded into it once (``_decode_rows``), and every block
+    copies whole tiles of them (cp.async) instead of decoding each entry again per token."""
     T, H, K = q.shape
     if T == 0:
         return
@@ -617,15 +719,35 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
         return
     if (not device.SIMULATOR) if mma is None else mma:
         mt = 1 if H <= 16 else MAX_MT
-        kern, nt, smem = _mma_kernel(K, R, mt)
-        kern[(T, cdiv(H, 16 * mt)), nt, stream, smem](
-            out, q, *(a.view(np.uint64) for a in args), *rest)
+        pre = keys is not None and bool(all_visible)
+        kern, nt, smem = _mma_kernel(K, R, mt, PRE=pre)
+        words = tuple(a.view(np.uint64) for a in args)
+        kd = _no_keys(K)
+        if pre:
+            ncap = comp_packed.shape[0]
+            if keys.shape[0] < cdiv(ncap, 16) * 16 or keys.shape[1] != K // 2:
+                raise ValueError(f"attention_prefill: keys {keys.shape}, need at least "
+                                 f"({cdiv(ncap, 16) * 16}, {K // 2})")
+            _decode_rows[min(cdiv(ncap * (words[2].shape[1] - 1), 256), 1024), 256, stream](
+                keys, words[2], n_comp_visible)
+            kd = keys
+        kern[(T, cdiv(H, 16 * mt)), nt, stream, smem](out, q, *words, kd, *rest)
         return
     # a block of NT threads owns NT/32·HPW heads; small H: no idle warps
     nt = threads or min(256, cdiv(H, HPW) * 32)
     kern, smem = _tile_kernel(K, R, nt)
     words = tuple(a.view(np.uint32) for a in args)
     kern[(T, cdiv(H, nt // 32 * HPW)), nt, stream, smem](out, q, *words, *rest)
+
+
+_NO_KEYS: dict = {}
+
+
+def _no_keys(K: int):
+    """The [1, 1] placeholder for ``keys`` (its shape tells the kernel there are none)."""
+    if K not in _NO_KEYS:
+        _NO_KEYS[K] = cuda.device_array((1, 1), np.uint32)
+    return _NO_KEYS[K]
 
 
 def store_chunk_rows(window_packed, chunk_packed, pos0, stream=0, threads=None) -> None:
@@ -649,9 +771,14 @@ PTX_SIGNATURES = [
     (_tile_kernel(512, 64, 256)[0], f"void({_F3}, {_F3}, uint32[:, ::1], uint32[:, ::1], "
                                     f"uint32[:, ::1], {_TAIL})"),  # V4-Flash, 256 threads
     (_mma_kernel(512, 64, MAX_MT)[0], f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], "
-                                      f"uint64[:, ::1], {_TAIL})"),  # V4-Flash
+                                      f"uint64[:, ::1], uint32[:, ::1], {_TAIL})"),  # V4-Flash
     (_mma_kernel(512, 64, MAX_MT, DEC=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
-                                                f"uint64[:, ::1], uint64[:, ::1], {_TAIL})"),
+                                                f"uint64[:, ::1], uint64[:, ::1], "
+                                                f"uint32[:, ::1], {_TAIL})"),
+    (_mma_kernel(512, 64, MAX_MT, PRE=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
+                                                f"uint64[:, ::1], uint64[:, ::1], "
+                                                f"uint32[:, ::1], {_TAIL})"),
+    (_decode_rows, "void(uint32[:, ::1], uint64[:, ::1], int32[::1])"),
     (_store_chunk_rows, "void(uint32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 
@@ -687,14 +814,17 @@ def bench_cases(stream) -> list[BenchCase]:
         keys = int((np.minimum(p0 + np.arange(T), W - 1) + 1 + ncomp).sum())
         rows = ncap if hca else len(np.unique(sel))  # each distinct entry read once, ideally
         nbytes = (W + T + rows) * B + 2 * out.nbytes + (0 if hca else sel.nbytes)
-        for mma in (False, True):
-            def launch(d=dev, out=out, hca=hca, mma=mma):
+        decoded = cuda.device_array((cdiv(ncap, 16) * 16, K // 2), np.uint32, stream=stream)
+        for mma, kd in ((False, None), (True, None)) + (((True, decoded),) if hca else ()):
+            def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd):
                 attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"],
                                   d["nc"], int(hca), d["p0"], d["sinks"], 1 / math.sqrt(K),
-                                  stream=stream, mma=mma)
+                                  stream=stream, mma=mma, keys=kd)
+            how = ("tensor cores, rows decoded once" if kd is not None else
+                   "tensor cores" if mma else "tiles")
             cases.append(BenchCase(
                 "attention_prefill",
-                f"attention_prefill {'tensor cores' if mma else 'tiles'} {mode} T={T} H={H} "
+                f"attention_prefill {how} {mode} T={T} H={H} "
                 f"K={K} W={W} comp={'%d visible' % ncap if hca else '%d of %d' % (S, ncap)}",
                 launch, nbytes, flops=4 * H * K * keys))
     return cases

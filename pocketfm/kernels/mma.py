@@ -150,6 +150,25 @@ if SIMULATOR:
         """As _ldsm_x4, transposed: the lane's word of matrix m is (row 2c, column g) in the
         low half and (row 2c+1, column g) in the high half."""
         return _ldsm_emulated(words, i, xch, True)
+
+    @cuda.jit(device=True)
+    def _cp_async16(dst, i, src, j):
+        """Copy 16 bytes, global uint32 src[j .. j+3] -> shared uint32 dst[i .. i+3]
+        (i, j multiples of 4), asynchronously on a GPU (cp.async.cg): complete after the
+        thread's _cp_async_wait of its group, visible to the block after a barrier."""
+        flat = src.reshape(src.size)  # (j: a flat index, as the GPU's pointer arithmetic)
+        for k in range(4):
+            dst[i + k] = flat[j + k]
+
+    @cuda.jit(device=True)
+    def _cp_async_commit():
+        """Close the thread's group of cp.async copies issued since the last commit."""
+        return
+
+    @cuda.jit(device=True)
+    def _cp_async_wait1():
+        """Wait until at most one of the thread's committed groups is still in flight."""
+        return
 else:
     from llvmlite import ir
     from numba import types
@@ -216,6 +235,54 @@ else:
     @cuda.jit(device=True)
     def _ldsm_x4_trans(words, i, xch):
         return _ldsm_trans_ptx(words, i)
+
+    def _generic_ptr(context, builder, aty, ary_val, ity, i_val):
+        """The generic address (i64) of element i of array value ``ary_val``."""
+        ary = context.make_array(aty)(context, builder, ary_val)
+        k = context.cast(builder, i_val, ity, types.int64)
+        return builder.ptrtoint(builder.gep(ary.data, [k]), ir.IntType(64))
+
+    @intrinsic
+    def _cp_async_ptx(typingctx, dst, i, src, j):
+        if not all(isinstance(a, types.Array) and a.dtype == types.uint32 for a in (dst, src)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            d = _generic_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            s = _generic_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            i64 = ir.IntType(64)
+            ptx = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
+                   "cp.async.cg.shared.global [sa], [ga], 16; }")
+            fty = ir.FunctionType(ir.VoidType(), [i64, i64])
+            builder.call(ir.InlineAsm(fty, ptx, "l,l,~{memory}", side_effect=True), [d, s])
+            return context.get_dummy_value()
+        return types.none(dst, i, src, j), codegen
+
+    def _asm_barrier(ptx: str):
+        """An intrinsic that runs ``ptx`` (no operands) as a memory side effect."""
+        @intrinsic
+        def op(typingctx):
+            def codegen(context, builder, sig, args):
+                fty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fty, ptx, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+            return types.none(), codegen
+        return op
+
+    _commit_ptx = _asm_barrier("cp.async.commit_group;")
+    _wait1_ptx = _asm_barrier("cp.async.wait_group 1;")
+
+    @cuda.jit(device=True)
+    def _cp_async16(dst, i, src, j):
+        _cp_async_ptx(dst, i, src, j)
+
+    @cuda.jit(device=True)
+    def _cp_async_commit():
+        _commit_ptx()
+
+    @cuda.jit(device=True)
+    def _cp_async_wait1():
+        _wait1_ptx()
 
     @cuda.jit(device=True)
     def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):

@@ -46,8 +46,14 @@ def inputs(rng, pos0, T, W, H):
                 sinks=rng.normal(size=H).astype(np.float32))
 
 
-def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None):
-    """(kernel output, float64 reference) for inputs ``x`` and the selection / counts."""
+def nan_keys(rows, k):
+    """A decoded-keys workspace of NaN bf16 pairs: rows the kernels may not use stay NaN."""
+    return cuda.to_device(np.full((-(-rows // 16) * 16, k // 2), 0x7FC07FC0, np.uint32))
+
+
+def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False):
+    """(kernel output, float64 reference) for inputs ``x`` and the selection / counts
+    (``keys``: HCA's rows decoded once into a workspace first)."""
     T, H, _ = x["q"].shape
     scale = 1 / math.sqrt(K)
     ref = np.empty((T, H, K))
@@ -56,7 +62,8 @@ def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None):
     d = {k: cuda.to_device(v) for k, v in dict(x, sel=sel, nvis=nvis).items()}
     out = poisoned((T, H, K))
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
-                         d["pos0"], d["sinks"], scale, threads=threads, naive=naive, mma=mma)
+                         d["pos0"], d["sinks"], scale, threads=threads, naive=naive, mma=mma,
+                         keys=nan_keys(NCAP, K) if keys else None)
     return out.copy_to_host(), ref
 
 
@@ -142,6 +149,20 @@ def test_attention_prefill_hca(kernel, pos0, T, W):
     assert rel_err(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("pos0,T,W", [(0, 2, 4), (32, 3, 4)])
+def test_attention_prefill_hca_decoded_keys(pos0, T, W):
+    """HCA on the tensor cores with the compressed rows decoded once (``keys``): whole tiles of
+    rows first, then the window. pos0 = 32: 16 visible rows (one full tile), then 17 (a
+    second tile with one row: the workspace's other rows must be zeroed, not left NaN);
+    pos0 = 0: tokens with no compressed row at all."""
+    rng = fresh_rng()
+    x = inputs(rng, pos0, T, W, 4)
+    nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
+    sel = np.full((T, 1), 123456, np.int32)  # garbage: must not be read
+    out, ref = run(x, sel, nvis, 1, False, mma=True, keys=True)
+    assert rel_err(out, ref) <= 1e-4
+
+
 @pytest.mark.parametrize("kernel", ["naive", "tiles"])
 def test_attention_prefill_window_only(kernel):
     """Ratio-0 layers: S = 1, all -1; three heads (the fast path pads a head group)."""
@@ -208,9 +229,9 @@ def test_two_chunks_equal_one():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
-@pytest.mark.parametrize("mma", [False, True])
-@pytest.mark.parametrize("hca", [0, 1])
-def test_attention_prefill_v4_shapes(hca, mma):
+@pytest.mark.parametrize("hca,mma,keys", [(0, False, False), (0, True, False), (1, False, False),
+                                          (1, True, False), (1, True, True)])
+def test_attention_prefill_v4_shapes(hca, mma, keys):
     rng = fresh_rng()
     H, K4, R4, W4, S4, T, ncap = 64, 512, 64, 128, 512, 40, 1000
     pos0 = 3000
@@ -228,5 +249,6 @@ def test_attention_prefill_v4_shapes(hca, mma):
     d = {k: cuda.to_device(v) for k, v in dict(x, sel=sel, nvis=nvis).items()}
     out = poisoned((T, H, K4))
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
-                         d["pos0"], d["sinks"], 1 / math.sqrt(K4), mma=mma)
+                         d["pos0"], d["sinks"], 1 / math.sqrt(K4), mma=mma,
+                         keys=nan_keys(ncap, K4) if keys else None)
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
