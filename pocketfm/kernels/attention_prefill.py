@@ -28,11 +28,16 @@ TFLOP/s on the H200, 813 ms of a 1,024-token chunk at 256K). All H heads of a to
 keys (one latent kv head), so per token S = Q·Kᵀ and O += P·V are GEMMs with the heads as M: a
 block takes one token and MT m-tiles of 16 heads (4·MT warps). Per tile of 16 key slots:
 
-1. decode: each thread takes (key, uint64 word) items, keys fastest: 8 FP8 codes (or 4 bf16
-   rope dims) written twice into shared memory, key-major (the B operand of the scores) and
-   dim-major as key pairs (the B operand of P·V). Every value is exact in bf16 (e4m3 times a
-   power of two; rope dims are bf16 already), so only q and P are split as hi + lo (mma.py's
-   bf16x3 idea: two MMAs, float32 sums, rel. error ~1e-5).
+1. keys: each thread takes (key, uint64 word) items, keys fastest: 8 FP8 codes (or 4 bf16
+   rope dims) written key-major into shared memory, the one tile both MMAs read: the scores'
+   B fragments by ldmatrix, P·V's by ldmatrix.trans (V is the same latent vector as K).
+   Every value is exact in bf16 (e4m3 times a power of two; rope dims are bf16 already), so
+   only q and P are split as hi + lo (mma.py's bf16x3 idea: two MMAs, float32 sums, rel.
+   error ~1e-5). HCA in the prefill (``keys`` given, the PRE build): every token of a chunk
+   sees the same compressed rows, so they are decoded once a layer and chunk into a bf16
+   workspace, and each token's list starts with them in whole tiles that cp.async copies
+   into one of two buffers while the other one's tile is in the MMAs (decoding them again
+   for every token made the kernel ~1.3x slower).
 2. scores: warp (m-tile, quarter) multiplies its 16 heads' q over K/4 dims (A fragments in
    registers for the whole launch) by the 16 keys; the four quarters' partials meet in shared.
 3. softmax: 8 threads per head row (max, exp, sum by xor shuffles), P written as bf16 hi + lo.
@@ -40,9 +45,8 @@ block takes one token and MT m-tiles of 16 heads (4·MT warps). Per tile of 16 k
 
 The next tile's words and its keys' scale words are requested right after step 1's barrier
 (in flight during the MMAs), the key codes of the tile after that one tile earlier still (a
-CSA code reads sel first). Inside each 16-wide k-step lane c holds k indices 4c .. 4c+3 of
-both operands, a permutation of the MMA's k that leaves the sum unchanged, so its A and B
-registers are consecutive words in shared memory (indexer_mma.py does the same).
+CSA code reads sel first). Key-major rows are K/2 + 4 words long (4 mod 32), so the eight
+16-byte rows an ldmatrix reads fall in different banks.
 """
 from __future__ import annotations
 
@@ -373,7 +377,8 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
     KTB = MKC * LDK  # words per buffer (one buffer without PRE: its tiles are all decoded
     # in the kernel, after the barrier that ends the last reader of the previous tile)
     NCP = cdiv(MKC * K // 8, NT)  # 16-byte copies per thread of a decoded tile (``keys``)
-    SP0 = KT0 + (2 if PRE else 1) * KTB  # sp[quarter][head][key]: the warps' partial scores (float32)
+    # sp[quarter][head][key]: the warps' partial scores (float32)
+    SP0 = KT0 + (2 if PRE else 1) * KTB
     PH0 = SP0 + 4 * HG * (MKC + 1)  # P as bf16 pairs, hi then lo, [head][key pair]
     PL0 = PH0 + HG * LDP
     AL0 = PL0 + HG * LDP  # per head: the tile's rescale factor, running max, running sum
@@ -618,7 +623,7 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
                     acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
                         al_0, al_1, al_2, al_3, b0, b1, acc[j], acc[j + 1], acc[j + 2],
                         acc[j + 3], xch)
-            cuda.syncthreads()  # every warp is done with kt, vt and P: the next decode
+            cuda.syncthreads()  # every warp is done with kt and P: the next tile
         for r in range(2):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
             row = hr + g + 8 * r
             h = h0 + row
