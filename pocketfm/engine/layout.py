@@ -291,7 +291,9 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("comb", T, HC, HC)
     s.add("hc_mix", T, (2 + HC) * HC)  # HC pre's mix, one GEMM per chunk
     s.add("cq", T, cfg.q_rank)
-    s.add("q", T, H, K)
+    shared = prefill_shared_buffers(cfg, T)
+    for name, views in shared.items():  # arrays whose lifetimes in a layer do not overlap
+        s.add(name, max(int(np.prod(shape)) for shape in views.values()))
     s.add("kv", T, K)
     s.add("kv_rows", T, kv_entry_bytes(K, cfg.rope_dim), dtype=np.uint8)
     for w in compressor_widths(cfg):
@@ -312,13 +314,11 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("no_sel", T, 1, dtype=i32)
     s.add("zeros_T", T, dtype=i32)
     s.add("ones_T", T)
-    s.add("o", T, H, K)
     # the HCA layers' compressed rows decoded once a layer and chunk (attention_prefill's
     # ``keys``: bf16 pairs, whole 16-row tiles), one buffer for every HCA layer
     hca = [max(1, capacity // r) for r in ratios if r != 4]
     if hca:
         s.add("hca_keys", -(-max(hca) // 16) * 16, K // 2, dtype=np.uint32)
-    s.add("o_groups", G, T, H // G * K)
     s.add("y_groups", G, T, cfg.o_rank)
     s.add("y", T, G, cfg.o_rank)
     s.add("f", T, D)
@@ -329,17 +329,29 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     # ... and cut into tiles of one expert each (mma.expert_order's tiles, always whole: a
     # shorter chunk needs fewer, and the spare ones are empty)
     s.add("route_tiles", 2, expert_tiles_capacity(T * k, cfg.n_experts), dtype=i32)
-    s.add("x_rep", T * k, D)
     # hmma.py's x (float16 limbs) for every GEMM of the chunk, carved per launch (the launches
     # run in order on the prefill's stream, so one workspace serves them all)
     s.add("f16_x", prefill_f16_x_floats(cfg, T))
-    s.add("gate_up", T * k, 2 * F)
-    s.add("h", T * k, F)
-    s.add("down", T * k, D)
     s.add("sh_gate_up", T, 2 * F)
     s.add("sh_h", T, F)
     s.add("sh_down", T, D)
     return list(s)
+
+
+def prefill_shared_buffers(cfg: ModelConfig, chunk: int) -> dict:
+    """{buffer: {array: shape}}: chunk arrays that take turns in one float32 buffer (each a
+    view of its first elements), since in a layer each is dead before the next is written.
+    One buffer: q until the attention reads it; o_groups (o regrouped for the output
+    projection) until that GEMM; then in the MoE gate_up until the SwiGLU (or hmma's
+    preparation of the down's x) has read it; then down. The other: o until it is
+    regrouped; x_rep (the MoE's input per routed row) until the gate|up GEMM; then h (the
+    SwiGLU's output, read by the down GEMM). On V4-Flash the workspace is 0.49 GB smaller
+    than with an array each at T = 1,024 (1.09 GB), 1.95 GB at T = 4,096 (3.53 GB)."""
+    T, H, K, G = int(chunk), cfg.n_heads, cfg.head_dim, cfg.o_groups
+    Tk, D, F = T * cfg.n_experts_used, cfg.dim, cfg.moe_dim
+    return {"q|o_groups|gate_up|down": {"q": (T, H, K), "o_groups": (G, T, H // G * K),
+                                        "gate_up": (Tk, 2 * F), "down": (Tk, D)},
+            "o|x_rep|h": {"o": (T, H, K), "x_rep": (Tk, D), "h": (Tk, F)}}
 
 
 def total_bytes(specs: list[ArraySpec]) -> int:

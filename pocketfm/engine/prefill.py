@@ -48,7 +48,7 @@ from ..kernels.qat import hadamard_fp4, kv_pack
 from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
 from .device_weights import index_weight_scale
-from .layout import compressor_widths, prefill_buffer_specs
+from .layout import compressor_widths, prefill_buffer_specs, prefill_shared_buffers
 
 
 class ChunkPrefill:
@@ -69,8 +69,11 @@ class ChunkPrefill:
         b = device.allocate(prefill_buffer_specs(cfg, eng.capacity, self.T), eng.stream, fills)
         self._buffers = list(b.values())
         for name, a in b.items():
-            if "." not in name:
+            if "." not in name and "|" not in name:
                 setattr(self, name, a)
+        for name, views in prefill_shared_buffers(cfg, self.T).items():
+            for view, shape in views.items():
+                setattr(self, view, b[name][:int(np.prod(shape))].reshape(shape))
         self.X = (b["X.0"], b["X.1"])
         self.comp_in = {w: (b[f"comp_in.{w}.0"], b[f"comp_in.{w}.1"])
                         for w in compressor_widths(cfg)}
