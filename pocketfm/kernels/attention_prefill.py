@@ -103,6 +103,21 @@ def attention_prefill_ref(out, q, window_packed, chunk_packed, comp_packed, sel,
     ops.sink_attention(out, q, kv, mask, sinks, scale)
 
 
+def decode_rows_ref(keys, comp_packed, n_comp_visible) -> None:
+    """keys[r, K/2] uint32 <- comp_packed row r as bf16 pairs (dim 2i in the low half), for
+    r < n = min(n_comp_visible[-1], rows); rows n .. n rounded up to 16 zeroed, the rest left
+    as they are. Every unpacked value is exact in bf16, so its bits are float32's top half."""
+    K = 2 * keys.shape[1]
+    rows = comp_packed.shape[0]
+    R = rope_dim_of(K, comp_packed.shape[1])
+    n = max(0, min(int(np.asarray(n_comp_visible).reshape(-1)[-1]), rows))
+    vals = np.empty((n, K), np.float32)
+    kvpack.unpack_kv_ref(vals, comp_packed[:n], R)
+    half = (vals.view(np.uint32) >> np.uint32(16)).reshape(n, K // 2, 2)
+    keys[:n] = half[:, :, 0] | (half[:, :, 1] << np.uint32(16))
+    keys[n:min(-(-n // 16) * 16, keys.shape[0])] = 0
+
+
 def store_chunk_rows_ref(window_packed, chunk_packed, pos0) -> None:
     """window_packed[W, bytes] <- chunk_packed[T, bytes]: entry t of the last min(T, W) goes
     to slot (pos0 + t) mod W (earlier ones would be overwritten within the chunk anyway)."""
@@ -412,7 +427,7 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
                                sinks, scale):
         """out[t, h0 .. h0 + HG-1] for t = blockIdx.x, h0 = HG·blockIdx.y (module doc);
         win, chunk, comp: the packed entries as uint64 words; keys: comp's rows decoded
-        (uint32 bf16 pairs [rows, K/2], HCA) or a [1, 1] placeholder."""
+        (uint32 bf16 pairs [rows, K/2]; read by the PRE build only, else a placeholder)."""
         smem_u = cuda.shared.array(0, uint32)
         smem_f = cuda.shared.array(0, float32)  # the same bytes
         kcode = cuda.shared.array((3, MKC), int32)  # tiles i, i+1, i+2 (at i % 3 ..)
@@ -729,12 +744,9 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
         words = tuple(a.view(np.uint64) for a in args)
         kd = _no_keys(K)
         if pre:
-            ncap = comp_packed.shape[0]
-            if keys.shape[0] < cdiv(ncap, 16) * 16 or keys.shape[1] != K // 2:
-                raise ValueError(f"attention_prefill: keys {keys.shape}, need at least "
-                                 f"({cdiv(ncap, 16) * 16}, {K // 2})")
-            _decode_rows[min(cdiv(ncap * (words[2].shape[1] - 1), 256), 1024), 256, stream](
-                keys, words[2], n_comp_visible)
+            if keys.shape[1] != K // 2:
+                raise ValueError(f"attention_prefill: keys {keys.shape}, need {K // 2} columns")
+            decode_rows(keys, comp_packed, n_comp_visible, stream)
             kd = keys
         kern[(T, cdiv(H, 16 * mt)), nt, stream, smem](out, q, *words, kd, *rest)
         return
@@ -745,14 +757,27 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     kern[(T, cdiv(H, nt // 32 * HPW)), nt, stream, smem](out, q, *words, *rest)
 
 
-_NO_KEYS: dict = {}
+def decode_rows(keys, comp_packed, n_comp_visible, stream=0) -> None:
+    """keys[r] <- comp_packed[r] as bf16 pairs for the rows the last token of the chunk sees
+    (decode_rows_ref; device arrays, keys uint32 [>= rows rounded up to 16, K/2])."""
+    ncap = comp_packed.shape[0]
+    rope_dim_of(2 * keys.shape[1], comp_packed.shape[1])  # (raises unless keys' K fits)
+    if keys.shape[0] < cdiv(ncap, 16) * 16:
+        raise ValueError(f"attention_prefill: keys {keys.shape}, need at least "
+                         f"{cdiv(ncap, 16) * 16} rows")
+    comp = comp_packed.view(np.uint64)
+    _decode_rows[min(cdiv(ncap * (comp.shape[1] - 1), 256), 1024), 256, stream](
+        keys, comp, n_comp_visible)
+
+
+_NO_KEYS: list = []
 
 
 def _no_keys(K: int):
-    """The [1, 1] placeholder for ``keys`` (its shape tells the kernel there are none)."""
-    if K not in _NO_KEYS:
-        _NO_KEYS[K] = cuda.device_array((1, 1), np.uint32)
-    return _NO_KEYS[K]
+    """The [1, 1] placeholder passed as ``keys`` to the builds that do not read it."""
+    if not _NO_KEYS:
+        _NO_KEYS.append(cuda.device_array((1, 1), np.uint32))
+    return _NO_KEYS[0]
 
 
 def store_chunk_rows(window_packed, chunk_packed, pos0, stream=0, threads=None) -> None:
@@ -819,8 +844,11 @@ def bench_cases(stream) -> list[BenchCase]:
         keys = int((np.minimum(p0 + np.arange(T), W - 1) + 1 + ncomp).sum())
         rows = ncap if hca else len(np.unique(sel))  # each distinct entry read once, ideally
         nbytes = (W + T + rows) * B + 2 * out.nbytes + (0 if hca else sel.nbytes)
-        decoded = cuda.device_array((cdiv(ncap, 16) * 16, K // 2), np.uint32, stream=stream)
-        for mma, kd in ((False, None), (True, None)) + (((True, decoded),) if hca else ()):
+        runs = [(False, None), (True, None)]
+        if hca:  # and with the rows decoded once, as the engine runs it
+            runs.append((True, cuda.device_array((cdiv(ncap, 16) * 16, K // 2), np.uint32,
+                                                 stream=stream)))
+        for mma, kd in runs:
             def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd):
                 attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"],
                                   d["nc"], int(hca), d["p0"], d["sinks"], 1 / math.sqrt(K),

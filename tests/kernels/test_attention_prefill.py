@@ -163,6 +163,24 @@ def test_attention_prefill_hca_decoded_keys(pos0, T, W):
     assert rel_err(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("last", [0, 17, NCAP + 5])
+def test_decode_rows(last):
+    """The HCA rows decoded once, against the reference: rows below the last token's count
+    (clamped to the pool), zeros up to the next 16, the rest of the workspace untouched."""
+    rng = fresh_rng()
+    comp = random_packed_kv(rng, NCAP, K, R)
+    nvis = np.array([0, last], np.int32)
+    ref = np.full((48, K // 2), 0x7FC07FC0, np.uint32)
+    ap.decode_rows_ref(ref, comp, nvis)
+    keys = nan_keys(NCAP, K)
+    ap.decode_rows(keys, cuda.to_device(comp), cuda.to_device(nvis))
+    assert np.array_equal(keys.copy_to_host(), ref)
+    n = min(last, NCAP)  # and the reference's rows are the unpacked entries' bf16 bits
+    want = unpack(comp[:n]).view(np.uint32) >> np.uint32(16)
+    assert np.array_equal(ref[:n] & np.uint32(0xFFFF), want[:, 0::2])
+    assert np.array_equal(ref[:n] >> np.uint32(16), want[:, 1::2])
+
+
 @pytest.mark.parametrize("kernel", ["naive", "tiles"])
 def test_attention_prefill_window_only(kernel):
     """Ratio-0 layers: S = 1, all -1; three heads (the fast path pads a head group)."""
