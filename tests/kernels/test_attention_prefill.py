@@ -181,6 +181,17 @@ def test_decode_rows(last):
     assert np.array_equal(ref[:n] >> np.uint32(16), want[:, 1::2])
 
 
+def test_decode_rows_rejects_a_short_workspace():
+    rng = fresh_rng()
+    comp = cuda.to_device(random_packed_kv(rng, NCAP, K, R))
+    short = cuda.to_device(np.zeros((NCAP, K // 2), np.uint32))  # 40 rows: 48 needed
+    with pytest.raises(ValueError, match=r"keys \(40, 64\), need at least 48 rows"):
+        ap.decode_rows(short, comp, cuda.to_device(np.array([3], np.int32)))
+    wide = cuda.to_device(np.zeros((48, K), np.uint32))  # K columns: no entry layout fits
+    with pytest.raises(ValueError, match="no KV entry layout"):
+        ap.decode_rows(wide, comp, cuda.to_device(np.array([3], np.int32)))
+
+
 @pytest.mark.parametrize("kernel", ["naive", "tiles"])
 def test_attention_prefill_window_only(kernel):
     """Ratio-0 layers: S = 1, all -1; three heads (the fast path pads a head group)."""
