@@ -276,8 +276,8 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     """ChunkPrefill's buffers for chunks of up to ``chunk`` tokens (allocated from this list by
     name, on the first prefill; a shorter chunk takes views [:T])."""
     T = int(chunk)
-    D, HC, H, K, G = cfg.dim, cfg.hc_mult, cfg.n_heads, cfg.head_dim, cfg.o_groups
-    HI, DI, k, F = cfg.index_heads, cfg.index_dim, cfg.n_experts_used, cfg.moe_dim
+    D, HC, K = cfg.dim, cfg.hc_mult, cfg.head_dim
+    HI, DI, k = cfg.index_heads, cfg.index_dim, cfg.n_experts_used
     s = _Specs("prefill_workspace")
     i32 = np.int32
     ratios = compressed_ratios(cfg)
@@ -291,7 +291,7 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("comb", T, HC, HC)
     s.add("hc_mix", T, (2 + HC) * HC)  # HC pre's mix, one GEMM per chunk
     s.add("cq", T, cfg.q_rank)
-    shared = prefill_shared_buffers(cfg, T)
+    shared = prefill_shared_buffers(cfg, capacity, T)
     for name, views in shared.items():  # arrays whose lifetimes in a layer do not overlap
         s.add(name, max(int(np.prod(shape)) for shape in views.values()))
     s.add("kv", T, K)
@@ -304,12 +304,7 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     for j in (0, 1):
         s.add(f"idx_in.{j}", T, 2 * DI)
     s.add("idx_scratch", T // 4 + 1, DI)
-    s.add("qi", T, HI, DI)
-    s.add("qi_rot", T, HI, DI)
     s.add("idx_w", T, HI)
-    # [rows, visible keys] per scoring pass; bounded, so a long context scores a chunk's tokens
-    # in several passes rather than hold T x ctx/4 floats
-    s.add("scores", min(T * max(1, capacity // 4), SCORES_FLOATS))
     s.add("sel", T, cfg.index_topk, dtype=i32)
     s.add("no_sel", T, 1, dtype=i32)
     s.add("zeros_T", T, dtype=i32)
@@ -319,8 +314,6 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     hca = [max(1, capacity // r) for r in ratios if r != 4]
     if hca:
         s.add("hca_keys", -(-max(hca) // 16) * 16, K // 2, dtype=np.uint32)
-    s.add("y_groups", G, T, cfg.o_rank)
-    s.add("y", T, G, cfg.o_rank)
     s.add("f", T, D)
     s.add("router", T, cfg.n_experts)
     s.add("route_w", T, k)
@@ -332,26 +325,44 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     # hmma.py's x (float16 limbs) for every GEMM of the chunk, carved per launch (the launches
     # run in order on the prefill's stream, so one workspace serves them all)
     s.add("f16_x", prefill_f16_x_floats(cfg, T))
-    s.add("sh_gate_up", T, 2 * F)
-    s.add("sh_h", T, F)
-    s.add("sh_down", T, D)
+    s.add("sh_down", T, D)  # (zero-filled once: the sum's shared part without a shared expert)
     return list(s)
 
 
-def prefill_shared_buffers(cfg: ModelConfig, chunk: int) -> dict:
+def prefill_scores_floats(capacity: int, chunk: int) -> int:
+    """Floats of the prefill's indexer scores, [rows, visible keys] per scoring pass; bounded,
+    so a long context scores a chunk's tokens in several passes rather than hold T x ctx/4."""
+    return min(int(chunk) * max(1, capacity // 4), SCORES_FLOATS)
+
+
+def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
     """{buffer: {array: shape}}: chunk arrays that take turns in one float32 buffer (each a
-    view of its first elements), since in a layer each is dead before the next is written.
-    One buffer: q until the attention reads it; o_groups (o regrouped for the output
-    projection) until that GEMM; then in the MoE gate_up until the SwiGLU (or hmma's
-    preparation of the down's x) has read it; then down. The other: o until it is
-    regrouped; x_rep (the MoE's input per routed row) until the gate|up GEMM; then h (the
-    SwiGLU's output, read by the down GEMM). On V4-Flash the workspace is 0.49 GB smaller
-    than with an array each at T = 1,024 (1.09 GB), 1.95 GB at T = 4,096 (3.53 GB)."""
+    view of its first elements), since in a layer each is dead before the next is written
+    (the prefill's launches run in order on one stream). In a layer's order:
+
+    - q until the attention reads it; o_groups (o regrouped for the output projection) until
+      that GEMM; y (its output, token-major) until out_b; then in the MoE gate_up until the
+      SwiGLU (or hmma's preparation of the down's x) has read it; then down.
+    - o until it is regrouped; x_rep (the MoE's input per routed row) until the gate|up GEMM;
+      then h (the SwiGLU's output, read by the down GEMM); then the shared expert's gate_up.
+    - the indexer's qi until its Hadamard; its scores until the top-k; y_groups (out_a's
+      output, group-major) until it is put in token order.
+    - the indexer's rotated qi_rot until the last scoring pass; the shared expert's h.
+
+    On V4-Flash at 256K the workspace is 0.96 GB at T = 1,024 and 1.65 GB at T = 2,048
+    (1.57 and 2.90 GB with an array each)."""
     T, H, K, G = int(chunk), cfg.n_heads, cfg.head_dim, cfg.o_groups
     Tk, D, F = T * cfg.n_experts_used, cfg.dim, cfg.moe_dim
-    return {"q|o_groups|gate_up|down": {"q": (T, H, K), "o_groups": (G, T, H // G * K),
-                                        "gate_up": (Tk, 2 * F), "down": (Tk, D)},
-            "o|x_rep|h": {"o": (T, H, K), "x_rep": (Tk, D), "h": (Tk, F)}}
+    HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.o_rank
+    return {"q|o_groups|y|gate_up|down": {"q": (T, H, K), "o_groups": (G, T, H // G * K),
+                                          "y": (T, G, R), "gate_up": (Tk, 2 * F),
+                                          "down": (Tk, D)},
+            "o|x_rep|h|sh_gate_up": {"o": (T, H, K), "x_rep": (Tk, D), "h": (Tk, F),
+                                     "sh_gate_up": (T, 2 * F)},
+            "qi|scores|y_groups": {"qi": (T, HI, DI),
+                                   "scores": (prefill_scores_floats(capacity, T),),
+                                   "y_groups": (G, T, R)},
+            "qi_rot|sh_h": {"qi_rot": (T, HI, DI), "sh_h": (T, F)}}
 
 
 def total_bytes(specs: list[ArraySpec]) -> int:

@@ -71,7 +71,7 @@ class ChunkPrefill:
         for name, a in b.items():
             if "." not in name and "|" not in name:
                 setattr(self, name, a)
-        for name, views in prefill_shared_buffers(cfg, self.T).items():
+        for name, views in prefill_shared_buffers(cfg, eng.capacity, self.T).items():
             for view, shape in views.items():
                 setattr(self, view, b[name][:int(np.prod(shape))].reshape(shape))
         self.X = (b["X.0"], b["X.1"])
