@@ -33,10 +33,11 @@ terms, so the two MMAs of a K step give lane c the step's columns 8c..8c+3 and 8
 lane's weights are one 8-byte word of the planes (Q8_0, Q2_K) or one IQ2_XXS grid row, and
 its x two 8-byte words of each limb.
 
-Block: 4 warps, each 32 weight rows x 32 tokens (2 x 4 MMA tiles), so a block is 128 rows x
-32 tokens; rows: dense tokens, or the MoE's (token, expert) rows in expert_order's tiles as
-mma.py takes them (one expert per block with ``tiles``; else a pass per expert in the tile,
-rows of other experts masked to zero). The tile's x (limb words, Q2_K's sums) is staged in
+Block: 4 warps, each 64 weight rows x 32 tokens (4 x 4 MMA tiles, so that each x fragment
+read from shared memory feeds 8 MMAs; a build with 2 x 4 exists for A/B), so a block is 256
+rows x 32 tokens; rows: dense tokens, or the MoE's (token, expert) rows in expert_order's
+tiles as mma.py takes them (one expert per block with ``tiles``; else a pass per expert in
+the tile, rows of other experts masked to zero). The tile's x (limb words, Q2_K's sums) is staged in
 shared memory 256 columns at a time, coalesced, so the four warps do not each fetch it; a
 thread's 32 loads of a stage go out together (one round trip to L2 a stage, not 16). The
 8-token MMA tiles with no row in a pass are skipped (an expert's tile holds ~24 rows at 1,024
@@ -66,9 +67,8 @@ from .qweight import QWeight
 
 KT = 32  # columns per K step: two MMAs' k, one Q8_0 / IQ2_XXS block
 THREADS = 128  # 4 warps
-MI, NI = 2, 4  # a warp's MMA tiles: 2 x 16 weight rows, 4 x 8 tokens
-BM, BN = 4 * 16 * MI, 8 * NI  # 128 rows x 32 tokens a block
-N_ACC = MI * NI * 4  # accumulators a thread
+MI, NI = 4, 4  # a warp's MMA tiles: 4 x 16 weight rows (or 2: _hmma_kernel's mi), 4 x 8 tokens
+BN = 8 * NI  # 32 tokens a block (and 64·mi rows)
 CH = 256  # columns of x staged in shared memory at a time (8 K steps)
 BATCH = 8  # staging words a thread has in flight at once (of CH / 16)
 XW = CH // 4 + 4  # a token's staged uint64 words, padded: the fragment reads hit distinct banks
@@ -432,8 +432,12 @@ def _k_step(acc, q, a, b, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch):
         acc[q + 3] += b[4] * d3
 
 
-def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
+def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **opts):
+    """The GEMM kernel for one code type; ``mi`` 16-row MMA tiles a warp (2 or 4: a block is
+    64·mi rows; every x fragment read from shared memory feeds 2·mi MMAs)."""
     N_TAB = max(TAB, 1)
+    BMK, NACC = 64 * mi, mi * NI * 4
+    assert mi in (2, 4)
 
     @cuda.jit(device=True)
     def steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c, g, tab, kc, K, xh_s, xl_s,
@@ -461,11 +465,80 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
                             xch)
         return r0, r1, r2, r3
 
+    @cuda.jit(device=True)
+    def steps4(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, ALL):
+        """As steps for 4 x 4 tiles: rows nn[0 .. 7], their next weight words rr[0 .. 7]."""
+        r0, r1, r2, r3, r4, r5, r6, r7 = rr
+        for k0 in range(kc, min(kc + CH, K), KT):
+            f0, f1 = frag(r0, tab, c, k0), frag(r1, tab, c, k0)
+            f2, f3 = frag(r2, tab, c, k0), frag(r3, tab, c, k0)
+            f4, f5 = frag(r4, tab, c, k0), frag(r5, tab, c, k0)
+            f6, f7 = frag(r6, tab, c, k0), frag(r7, tab, c, k0)
+            if k0 + KT < K:
+                r0, r1, r2, r3, r4, r5, r6, r7 = _loads8(planes, e, nn, k0 + KT, c)
+            kw, ks = (k0 - kc) >> 2, (k0 - kc) >> 5
+            ff = (f0, f1, f2, f3, f4, f5, f6, f7)
+            # one call per token tile with a literal ni: the accumulators' indices are then
+            # constants and acc stays in registers (a loop over ni left it in local memory)
+            _tile4(acc, 0, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
+            _tile4(acc, 1, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
+            _tile4(acc, 2, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
+            _tile4(acc, 3, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
+        return r0, r1, r2, r3, r4, r5, r6, r7
+
+    @cuda.jit(device=True)
+    def _tile4(acc, ni, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL):
+        """Token tile ni of a K step for the warp's four row tiles (frags ff)."""
+        if ALL or (busy >> ni) & 1:
+            jb = ni * 8 + g
+            h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
+            l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
+            jc0 = ni * 8 + 2 * c
+            _k_step(acc, ni * 4, ff[0], ff[1], h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch)
+            _k_step(acc, (NI + ni) * 4, ff[2], ff[3], h1, h2, l1, l2, xm_s, jc0, ks, MINS,
+                    xch)
+            _k_step(acc, (2 * NI + ni) * 4, ff[4], ff[5], h1, h2, l1, l2, xm_s, jc0, ks, MINS,
+                    xch)
+            _k_step(acc, (3 * NI + ni) * 4, ff[6], ff[7], h1, h2, l1, l2, xm_s, jc0, ks, MINS,
+                    xch)
+
+    @cuda.jit(device=True)
+    def _loads8(planes, e, nn, k0, c):
+        return (load(planes, e, nn[0], k0, c), load(planes, e, nn[1], k0, c),
+                load(planes, e, nn[2], k0, c), load(planes, e, nn[3], k0, c),
+                load(planes, e, nn[4], k0, c), load(planes, e, nn[5], k0, c),
+                load(planes, e, nn[6], k0, c), load(planes, e, nn[7], k0, c))
+
+    @cuda.jit(device=True)
+    def _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, ALL):
+        """The K steps of a staged chunk for this kernel's mi (rr: the next weight words)."""
+        if mi == 2:
+            r0, r1, r2, r3 = rr
+            n0, n1, n2, n3 = nn
+            return steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c, g, tab, kc, K,
+                         xh_s, xl_s, xm_s, busy, xch, ALL)
+        return steps4(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch,
+                      ALL)
+
+    @cuda.jit(device=True)
+    def _first(planes, e, n_w, g, c, N):
+        """The warp's rows of lane g (clamped: rows past N are not stored) and their first
+        weight words."""
+        if mi == 2:
+            nn = (min(n_w + g, N - 1), min(n_w + g + 8, N - 1), min(n_w + g + 16, N - 1),
+                  min(n_w + g + 24, N - 1))
+            return nn, (load(planes, e, nn[0], 0, c), load(planes, e, nn[1], 0, c),
+                        load(planes, e, nn[2], 0, c), load(planes, e, nn[3], 0, c))
+        nn = (min(n_w + g, N - 1), min(n_w + g + 8, N - 1), min(n_w + g + 16, N - 1),
+              min(n_w + g + 24, N - 1), min(n_w + g + 32, N - 1), min(n_w + g + 40, N - 1),
+              min(n_w + g + 48, N - 1), min(n_w + g + 56, N - 1))
+        return nn, _loads8(planes, e, nn, 0, c)
+
     def k(out, planes, xh, xl, xsum, xs, ids, order, tiles, tab_g, per_token, x_div, N, K):
         tid = cuda.threadIdx.x
         lane, warp = tid & 31, tid >> 5
         g, c = lane >> 2, lane & 3
-        n_w = cuda.blockIdx.x * BM + warp * 16 * MI  # the warp's first weight row
+        n_w = cuda.blockIdx.x * BMK + warp * 16 * mi  # the warp's first weight row
         tab = cuda.shared.array(N_TAB, uint64)
         rows = cuda.shared.array(BN, int32)
         exps = cuda.shared.array(BN, int32)
@@ -474,14 +547,12 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
         xl_s = cuda.shared.array((BN, XW), uint64)  # its lo limb words
         xm_s = cuda.shared.array((BN, XM_W), float32)  # its Σx' per 16 columns (Q2_K)
         xch = cuda.shared.array(XCH, np.int64)
-        acc = cuda.local.array(N_ACC, float32)
-        for i in range(N_ACC):
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
             acc[i] = float32(0)
         for i in range(tid, TAB, THREADS):
             tab[i] = tab_g[i]
         _tile_rows(rows, exps, ids, order, tiles, per_token, cuda.blockIdx.y * BN, out.shape[0])
-        n0, n1 = min(n_w + g, N - 1), min(n_w + g + 8, N - 1)  # rows past N: not stored
-        n2, n3 = min(n_w + g + 16, N - 1), min(n_w + g + 24, N - 1)
         e_prev = -1
         while True:
             e = _next_expert(exps, e_prev)
@@ -498,23 +569,22 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
                 if xr[j] >= 0:
                     busy |= 1 << (j >> 3)
             # the weight words are loaded a K step ahead, into registers
-            r0, r1 = load(planes, e, n0, 0, c), load(planes, e, n1, 0, c)
-            r2, r3 = load(planes, e, n2, 0, c), load(planes, e, n3, 0, c)
+            nn, rr = _first(planes, e, n_w, g, c, N)
             for kc in range(0, K, CH):
                 cuda.syncthreads()  # xr is set; the last chunk's x is no longer read
                 _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS)
                 cuda.syncthreads()
                 if busy == (1 << NI) - 1:  # every tile busy: no per-tile branches
-                    r0, r1, r2, r3 = steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c,
-                                           g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, True)
+                    rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s,
+                                  busy, xch, True)
                 else:
-                    r0, r1, r2, r3 = steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c,
-                                           g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, False)
+                    rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s,
+                                  busy, xch, False)
             e_prev = e
-        for mi in range(MI):
-            na = n_w + mi * 16 + g
+        for m in range(mi):
+            na = n_w + m * 16 + g
             for ni in range(NI):
-                q = (mi * NI + ni) * 4
+                q = (m * NI + ni) * 4
                 for t in range(2):
                     r = rows[ni * 8 + 2 * c + t]
                     if r >= 0:
@@ -523,21 +593,35 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, **opts):
                             out[r, na] = acc[q + t] * s
                         if na + 8 < N:
                             out[r, na + 8] = acc[q + 2 + t] * s
-    k.__name__ = k.__qualname__ = f"_gemm_{name}_hmma"
+    k.__name__ = k.__qualname__ = f"_gemm_{name}_hmma" + ("" if mi == MI else f"_mi{mi}")
     return kernel(**opts)(k)
 
 
 _SPECS = {GGMLType.Q8_0: ("q8_0", _q8_0_load, _q8_0_frag, 0, False),
           GGMLType.IQ2_XXS: ("iq2_xxs", _iq2_xxs_load, _iq2_xxs_frag, TAB_WORDS, False),
           GGMLType.Q2_K: ("q2_k", _q2_k_load, _q2_k_frag, 0, True)}
-# Register caps (H200, 2026-12-03, a 1,024-token chunk): 128 gives 4 blocks an SM. Q8_0 takes
-# 130 uncapped (attn_q_b 1.03 ms at 128, 1.18-1.25 at 136 or 168); IQ2_XXS 134 (16 bytes of
-# spill at 128: 4.07 ms, 4.41-4.57 at 136-168). Q2_K wants 218 since the batched staging and
+# Register caps of the 2-tile build (H200, 2026-12-03, a 1,024-token chunk): 128 gives 4
+# blocks an SM. Q8_0 takes 130 uncapped (attn_q_b 1.03 ms at 128, 1.18-1.25 at 136 or 168);
+# IQ2_XXS 134 (16 bytes of spill at 128: 4.07 ms, 4.41-4.57 at 136-168). Q2_K wants 218 since the batched staging and
 # the busy-tile paths (0.4 KB of spill at 128): 168, 3 blocks an SM, ran its routed down in
 # 2.64 ms against 2.72 at 128 (the first build was faster at 128: 3.09 against 3.31).
-MAX_REGISTERS = {GGMLType.Q8_0: 128, GGMLType.IQ2_XXS: 128, GGMLType.Q2_K: 168}
-_KERNELS = {qt: _hmma_kernel(*spec, max_registers=MAX_REGISTERS[qt])
+# Those were for 2 row tiles a warp. Nsight Compute then showed the shared memory the limit
+# (IQ2_XXS "memory throughput" 96%, Q2_K 90%, issue slots 33-43% busy): every warp reads the
+# block's x fragments, each feeding 2·mi MMAs. With 4 row tiles a warp (255 registers, no
+# spill but Q2_K's 0.2 KB; 2 blocks an SM), H200 2026-12-04, graphs of 10, two rounds:
+# IQ2_XXS gate+up 3.76-3.78 -> 3.51-3.53 ms, Q2_K down 2.55-2.58 -> 2.28-2.29, Q8_0 out_b
+# 0.75 -> 0.63-0.66, but q_b 0.74 -> 0.78 (32,768 rows: enough blocks that the warps count).
+# The prefill at 256K with all three at 4: 1,260 -> 1,328 tok/s (BENCHMARKS.md, 2026-12-04).
+MAX_REGISTERS_2 = {GGMLType.Q8_0: 128, GGMLType.IQ2_XXS: 128, GGMLType.Q2_K: 168}
+MAX_REGISTERS = {GGMLType.Q8_0: 255, GGMLType.IQ2_XXS: 255, GGMLType.Q2_K: 255}
+# 16-row MMA tiles a warp per type (the launcher's grid follows; tests and scripts swap a
+# kernel and its entry here together)
+TILES_MI = {qt: MI for qt in _SPECS}
+_KERNELS = {qt: _hmma_kernel(*spec, mi=TILES_MI[qt], max_registers=MAX_REGISTERS[qt])
             for qt, spec in _SPECS.items()}
+# the 2-tile build, for A/B (CI compiles and tests both)
+KERNELS_2 = {qt: _hmma_kernel(*spec, mi=2, max_registers=MAX_REGISTERS_2[qt])
+             for qt, spec in _SPECS.items()}
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -589,7 +673,7 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
     if per_token and order is None:
         order = _device_const(f"mma_identity_{R}", np.arange(R, dtype=np.int32))
     gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
-    _KERNELS[w.qtype][(cdiv(N, BM), gy), THREADS, stream](
+    _KERNELS[w.qtype][(cdiv(N, 64 * TILES_MI[w.qtype]), gy), THREADS, stream](
         out, _planes(w), wh, wl, xsum, xs,
         ids if per_token else one, order if per_token else one,
         _no_tiles() if tiles is None else tiles, _table(w),
@@ -634,7 +718,7 @@ PTX_SIGNATURES = [
     (kern, f"void(float32[:, ::1], {_PLANES[qt]}, uint64[:, ::1], uint64[:, ::1], "
            "float32[:, ::1], float32[::1], int32[::1], int32[::1], int32[:, ::1], uint64[::1], "
            "int64, int64, int64, int64)")
-    for qt, kern in _KERNELS.items()] + [
+    for kernels in (_KERNELS, KERNELS_2) for qt, kern in kernels.items()] + [
     (_prep_x, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
               "float32[:, ::1], int32[::1], float32)"),
     (_prep_x_swiglu, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "

@@ -19,6 +19,18 @@ TYPES = {"q8_0": GGMLType.Q8_0, "q2_k": GGMLType.Q2_K, "iq2_xxs": GGMLType.IQ2_X
 BOUND = 1e-4  # the issue's bar for float32-accumulating kernels
 
 
+@pytest.fixture(params=[2, 4], ids=["mi2", "mi4"])
+def tiles_mi(request, monkeypatch):
+    """Both kernel shapes: 2 or 4 16-row MMA tiles a warp (64·mi rows a block)."""
+    mi = request.param
+    for qt in hmma._SPECS:
+        if hmma.TILES_MI[qt] != mi:
+            assert mi == 2, "the 2-tile build is the only other"
+            monkeypatch.setitem(hmma._KERNELS, qt, hmma.KERNELS_2[qt])
+            monkeypatch.setitem(hmma.TILES_MI, qt, mi)
+    return mi
+
+
 def _weight(qtype, E, N, K, rng):
     return pack_weight(quants.random_blocks(qtype, (E, N, K), rng, std=0.05), qtype, N, K)
 
@@ -51,24 +63,25 @@ def test_prepare_x_limbs_sums_and_scales():
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_dense_every_type(name):
+def test_dense_every_type(name, tiles_mi):
     qtype = TYPES[name]
     rng = fresh_rng()
     K = 64 if qtype == GGMLType.Q8_0 else 256
-    # 40 rows, 41 tokens: partial row tiles; a full token tile (the K loop without per-tile
-    # branches) and one of 9 tokens (two busy 8-token tiles, two skipped)
-    w = _weight(qtype, 1, 40, K, rng)
+    # 72 rows: every row tile of the first warp (either shape) and a partial one after it;
+    # 41 tokens: a full token tile (the K loop without per-tile branches) and one of 9 tokens
+    # (two busy 8-token tiles, two skipped)
+    w = _weight(qtype, 1, 72, K, rng)
     x = _x(rng, 41, K)
-    ref = np.empty((41, 40))
+    ref = np.empty((41, 72))
     hmma.gemm_hmma_ref(ref, w, x)
-    out = poisoned((41, 40))
+    out = poisoned((41, 72))
     hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x))
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
 @pytest.mark.parametrize("name,aligned", [("q8_0", True), ("q2_k", True), ("iq2_xxs", True),
                                           ("iq2_xxs", False)])
-def test_expert_rows_with_shared_x(name, aligned):
+def test_expert_rows_with_shared_x(name, aligned, tiles_mi):
     # 9 tokens x k = 3 experts each of E = 4: rows grouped by expert_order; without tiles a
     # block holds several experts (a pass each), with tiles one; x is one row per token
     qtype = TYPES[name]
