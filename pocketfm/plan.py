@@ -25,9 +25,9 @@ from .engine.layout import COMPONENTS, cache_layout, prefill_buffer_bytes, step_
 from .errors import InputError
 
 # prompt tokens per prefill chunk (engine/prefill.py's default too). H200, V4-Flash: 2,048
-# ran 7% faster than 1,024 at 256K and 8% at 64K (fuller expert tiles, half the launches a
-# token), in 1.65 GB of buffers at 256K (0.96 GB at 1,024); 4,096 would take 3.0 GB, over the
-# 2 GB workspace budget (BENCHMARKS.md, 2026-12-04)
+# ran 7% faster than 1,024 at 256K and 9% at 64K, in 1.65 GB of buffers at 256K (0.96 GB at
+# 1,024); 4,096 would take 3.0 GB, over the 2 GB workspace budget (BENCHMARKS.md,
+# 2026-12-04 (a))
 DEFAULT_PREFILL_CHUNK = 2048
 KV_COMPONENTS = ("window", "c4_kv_resident", "c4_kv_staged", "c128_kv", "indexer_keys",
                  "indexer_keys_staged", "compressor_state", "swap_table")

@@ -350,7 +350,7 @@ def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
     - the indexer's rotated qi_rot until the last scoring pass; the shared expert's h.
 
     On V4-Flash at 256K the workspace is 0.96 GB at T = 1,024 and 1.65 GB at T = 2,048
-    (1.57 and 2.90 GB with an array each)."""
+    (1.57 and 2.87 GB with an array each)."""
     T, H, K, G = int(chunk), cfg.n_heads, cfg.head_dim, cfg.o_groups
     Tk, D, F = T * cfg.n_experts_used, cfg.dim, cfg.moe_dim
     HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.o_rank

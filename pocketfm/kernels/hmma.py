@@ -37,8 +37,9 @@ Block: 4 warps, each 64 weight rows x 32 tokens (4 x 4 MMA tiles, so that each x
 read from shared memory feeds 8 MMAs; a build with 2 x 4 exists for A/B), so a block is 256
 rows x 32 tokens; rows: dense tokens, or the MoE's (token, expert) rows in expert_order's
 tiles as mma.py takes them (one expert per block with ``tiles``; else a pass per expert in
-the tile, rows of other experts masked to zero). The tile's x (limb words, Q2_K's sums) is staged in
-shared memory 256 columns at a time, coalesced, so the four warps do not each fetch it; a
+the tile, rows of other experts masked to zero). The tile's x (limb words, Q2_K's sums) is
+staged in shared memory 256 columns at a time, coalesced, so the four warps do not each fetch
+it; a
 thread's 32 loads of a stage go out together (one round trip to L2 a stage, not 16). The
 8-token MMA tiles with no row in a pass are skipped (an expert's tile holds ~24 rows at 1,024
 tokens); the K loop is built twice, with and without those branches, so a full tile has none.
@@ -602,13 +603,15 @@ _SPECS = {GGMLType.Q8_0: ("q8_0", _q8_0_load, _q8_0_frag, 0, False),
           GGMLType.Q2_K: ("q2_k", _q2_k_load, _q2_k_frag, 0, True)}
 # Register caps of the 2-tile build (H200, 2026-12-03, a 1,024-token chunk): 128 gives 4
 # blocks an SM. Q8_0 takes 130 uncapped (attn_q_b 1.03 ms at 128, 1.18-1.25 at 136 or 168);
-# IQ2_XXS 134 (16 bytes of spill at 128: 4.07 ms, 4.41-4.57 at 136-168). Q2_K wants 218 since the batched staging and
-# the busy-tile paths (0.4 KB of spill at 128): 168, 3 blocks an SM, ran its routed down in
-# 2.64 ms against 2.72 at 128 (the first build was faster at 128: 3.09 against 3.31).
+# IQ2_XXS 134 (16 bytes of spill at 128: 4.07 ms, 4.41-4.57 at 136-168). Q2_K wants 218
+# since the batched staging and the busy-tile paths (0.4 KB of spill at 128): 168, 3 blocks an
+# SM, ran its routed down in 2.64 ms against 2.72 at 128 (the first build was faster at 128:
+# 3.09 against 3.31).
 # Those were for 2 row tiles a warp. Nsight Compute then showed the shared memory the limit
 # (IQ2_XXS "memory throughput" 96%, Q2_K 90%, issue slots 33-43% busy): every warp reads the
-# block's x fragments, each feeding 2·mi MMAs. With 4 row tiles a warp (255 registers, no
-# spill but Q2_K's 0.2 KB; 2 blocks an SM), H200 2026-12-04, graphs of 10, two rounds:
+# block's x fragments, each feeding 2·mi MMAs. With 4 row tiles a warp (255 registers, 2
+# blocks an SM; ptxas: no spill for Q8_0, 40 bytes for IQ2_XXS, 0.2 KB for Q2_K), H200
+# 2026-12-04, graphs of 10, two rounds:
 # IQ2_XXS gate+up 3.76-3.78 -> 3.51-3.53 ms, Q2_K down 2.55-2.58 -> 2.28-2.29, Q8_0 out_b
 # 0.75 -> 0.63-0.66, but q_b 0.74 -> 0.78 (32,768 rows: enough blocks that the warps count).
 # The prefill at 256K with all three at 4: 1,260 -> 1,328 tok/s (BENCHMARKS.md, 2026-12-04).
