@@ -344,7 +344,9 @@ def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
       that GEMM; y (its output, token-major) until out_b; then in the MoE gate_up until the
       SwiGLU (or hmma's preparation of the down's x) has read it; then down.
     - o until it is regrouped; x_rep (the MoE's input per routed row) until the gate|up GEMM;
-      then h (the SwiGLU's output, read by the down GEMM); then the shared expert's gate_up.
+      then h (the SwiGLU's output, read by the down GEMM); then the shared expert's gate_up
+      (on hmma.py's path, which writes no x_rep or h, before the routed GEMMs: it reads the
+      same prepared x).
     - the indexer's qi until its Hadamard; its scores until the top-k; y_groups (out_a's
       output, group-major) until it is put in token order.
     - the indexer's rotated qi_rot until the last scoring pass; the shared expert's h.

@@ -37,7 +37,7 @@ from ..kernels.device import SIMULATOR
 from ..kernels.attention_prefill import attention_prefill, store_chunk_rows
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_chunk
 from ..kernels.embed_sample import embed
-from ..kernels.gemv import gemv
+from ..kernels.gemv import DECODE_MAX_TOKENS, gemv
 from ..kernels.hc import hc_post, hc_pre
 from ..kernels.indexer import indexer_scores_chunk, topk_chunk
 from ..kernels import hmma
@@ -135,6 +135,21 @@ class ChunkPrefill:
         finish kernel have their own simulator tests)."""
         return None if self.eng.sim else self.hc_mix[:T]
 
+    def _limbs(self, x, T: int):
+        """hmma.py's float16 limbs of x [T, K] for the GEMMs that read it, made once; None where
+        those GEMMs take other kernels (the simulator, POCKETFM_HMMA=0, or few enough tokens
+        for gemv's decode kernels)."""
+        if not hmma.ENABLED or SIMULATOR or T <= DECODE_MAX_TOKENS:
+            return None
+        return hmma.prepare_x(x, self.eng.stream)
+
+    def _gemm(self, out, w, x, limbs) -> None:
+        """out = W · x: from x's prepared ``limbs`` where hmma.py takes the weight, else gemv."""
+        if limbs is not None and hmma.takes(w):
+            hmma.gemm_hmma_prepared(out, w, limbs, stream=self.eng.stream)
+        else:
+            gemv(out, w, x, None, self.eng.stream, threads=self.eng.nt)
+
     def _attention(self, i: int, T: int, X, X_out) -> None:
         eng, cfg, s = self.eng, self.cfg, self.eng.stream
         L, c, nt, sim = eng.w.layers[i], eng.caches[i], eng.nt, eng.sim
@@ -143,13 +158,25 @@ class ChunkPrefill:
         hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_attn, eps, cfg.hc_eps,
                cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
         rmsnorm(u, self.u_in[:T], L.attn_norm, eps, True, s, threads=nt, **sim)
-        gemv(cq, L.q_a, u, None, s, threads=nt)
+        # every GEMM that reads u first, on one preparation of its limbs (the next GEMM's x
+        # preparation, q_b's, overwrites them)
+        xu = self._limbs(u, T)
+        self._gemm(cq, L.q_a, u, xu)
+        self._gemm(kv, L.kv, u, xu)
+        if c.ratio:
+            a, g = (x[:T] for x in self.comp_in[c.state_kv.shape[1]])
+            self._gemm(a, L.comp_kv, u, xu)
+            self._gemm(g, L.comp_gate, u, xu)
+        if cfg.is_csa(i):
+            ia, ig = (x[:T] for x in self.idx_in)
+            self._gemm(ia, L.idx_kv, u, xu)
+            self._gemm(ig, L.idx_gate, u, xu)
+            self._gemm(self.idx_w[:T], L.idx_proj, u, xu)
         rmsnorm(cq, cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
         gemv(q.reshape(T, H * K), L.q_b, cq, None, s, threads=nt)
         q2 = q.reshape(T * H, K)
         rmsnorm(q2, q2, eng.ones[:K], eps, False, s, threads=nt, **sim)  # weightless, per head
         rope(q, q, self.pos, L.freqs, False, s, threads=nt, **sim)
-        gemv(kv, L.kv, u, None, s, threads=nt)
         rmsnorm(kv, kv, L.kv_norm, eps, True, s, threads=nt, **sim)
         kv3 = kv.reshape(T, 1, K)
         rope(kv3, kv3, self.pos, L.freqs, False, s, threads=nt, **sim)
@@ -157,9 +184,6 @@ class ChunkPrefill:
         kv_pack(rows, kv, R, stream=s, threads=nt, **sim)  # the chunk's own 584 B entries
         comp = eng.comp_of(i)  # (KV swap: the CSA layers' rows of the host pool)
         if c.ratio:  # every block the chunk completes lands in comp before attention reads it
-            a, g = (x[:T] for x in self.comp_in[c.state_kv.shape[1]])
-            gemv(a, L.comp_kv, u, None, s, threads=nt)
-            gemv(g, L.comp_gate, u, None, s, threads=nt)
             compressor_chunk(c.state_kv, c.state_score, a, g, L.comp_ape, self.pos0, c.ratio,
                              cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, comp,
                              scratch=self.comp_scratch[c.ratio], stream=s, threads=nt)
@@ -207,14 +231,12 @@ class ChunkPrefill:
     def _indexer(self, i: int, T: int, L, c):
         """Each token's top-k visible compressed entries, sel[T, k] (-1 pads)."""
         eng, cfg, s, nt, sim = self.eng, self.cfg, self.eng.stream, self.eng.nt, self.eng.sim
-        HI, DI, u = cfg.index_heads, cfg.index_dim, self.u[:T]
-        ia, ig = (x[:T] for x in self.idx_in)
+        HI, DI = cfg.index_heads, cfg.index_dim
+        ia, ig = (x[:T] for x in self.idx_in)  # (its GEMMs on u ran with the attention's)
         keys = eng.keys_of(i)  # (KV swap, a non-target layer: its rows of the host key pool)
         # host-pool keys keep the register tiles (each key read once per block over the bus,
         # not once per warp); device keys: the launcher's choice (tensor cores on a GPU)
         use_mma = False if c.index_keys is None else None
-        gemv(ia, L.idx_kv, u, None, s, threads=nt)
-        gemv(ig, L.idx_gate, u, None, s, threads=nt)
         compressor_chunk(c.index_kv, c.index_score, ia, ig, L.idx_ape, self.pos0, c.ratio, True,
                          L.idx_norm, L.freqs, cfg.rms_eps, MODE_INDEX_FP4, None, keys,
                          scratch=self.idx_scratch, stream=s, threads=nt)
@@ -222,7 +244,6 @@ class ChunkPrefill:
         gemv(qi.reshape(T, HI * DI), L.idx_q_b, self.cq[:T], None, s, threads=nt)
         rope(qi, qi, self.pos, L.freqs, False, s, threads=nt, **sim)
         hadamard_fp4(qi_rot, qi, True, stream=s, threads=nt, **sim)
-        gemv(w, L.idx_proj, u, None, s, threads=nt)
         sk.scale(w, index_weight_scale(cfg), s)
         n_keys = max(1, self.end // c.ratio)  # entries visible to the chunk's last token
         rows = max(1, min(T, self.scores.shape[0] // n_keys))
@@ -246,7 +267,8 @@ class ChunkPrefill:
                cfg.hc_eps, cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
         rmsnorm(v, self.u_in[:T], L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         ids, w = self.route_ids[:T], self.route_w[:T]
-        gemv(self.router[:T], L.router, v, None, s, threads=nt)
+        xv = self._limbs(v, T)  # the router's, the shared expert's and the routed gate|up's x
+        self._gemm(self.router[:T], L.router, v, xv)
         route_chunk(ids, w, self.router[:T], L.bias, L.tid2eid, tokens,
                     int(cfg.is_hash_layer(i)), cfg.routed_scale, int(cfg.norm_topk), s,
                     threads=nt)
@@ -262,8 +284,14 @@ class ChunkPrefill:
         if grouped:
             order, tiles = self.route_order[:Tk], self.route_tiles
             expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
+        shared = self.sh_down[:T]  # stays zero when the model has no shared expert
+        sgu = self.sh_gate_up[:T]
         if grouped and hmma.takes(L.gate_up) and hmma.takes(L.down):
-            hmma.gemm_hmma(gu, L.gate_up, v, flat_ids, order, s, tiles=tiles, x_div=k)
+            if L.shared_gate_up is not None:  # first, while xv holds v (sgu: o's buffer, which
+                # this path leaves alone: it writes no x_rep or h)
+                self._gemm(sgu, L.shared_gate_up, v, xv)
+            xg = xv if xv is not None else hmma.prepare_x(v, s)
+            hmma.gemm_hmma_prepared(gu, L.gate_up, xg, flat_ids, order, s, tiles=tiles, x_div=k)
             h_limbs = hmma.prepare_x_swiglu(gu, w.reshape(Tk), cfg.swiglu_clamp[i], s)
             hmma.gemm_hmma_prepared(down, L.down, h_limbs, flat_ids, order, s, tiles=tiles)
         else:
@@ -277,10 +305,10 @@ class ChunkPrefill:
                 gemm_mma(down, L.down, h, flat_ids, order, s, tiles=tiles)
             else:
                 gemv(down, L.down, h, flat_ids, s, threads=nt)
-        shared = self.sh_down[:T]  # stays zero when the model has no shared expert
+            if L.shared_gate_up is not None:
+                gemv(sgu, L.shared_gate_up, v, None, s, threads=nt)
         if L.shared_gate_up is not None:
-            sgu, sh = self.sh_gate_up[:T], self.sh_h[:T]
-            gemv(sgu, L.shared_gate_up, v, None, s, threads=nt)
+            sh = self.sh_h[:T]
             swiglu_fused(sh, sgu, self.ones_T[:T], cfg.swiglu_clamp_shared[i], s, threads=nt)
             gemv(shared, L.shared_down, sh, None, s, threads=nt)
         f = self.f[:T]

@@ -1,6 +1,6 @@
 """Half-precision tensor-core GEMM for the code types: out[T, N] = x[T, K] · W[N, K]ᵀ for Q8_0,
-IQ2_XXS and Q2_K on ``mma.sync.aligned.m16n8k16`` with float16 operands and float32
-accumulation (PTX).
+IQ2_XXS and Q2_K (and F16, whose weights are float16 already) on ``mma.sync.aligned.m16n8k16``
+with float16 operands and float32 accumulation (PTX).
 
 Why: a prefill chunk is ~26 GFLOP a V4-Flash token, most of it in these three types (the
 routed experts' IQ2_XXS gate+up and Q2_K down, the attention's Q8_0), and mma.py's bf16 codes
@@ -18,7 +18,9 @@ of 32 columns is four MMAs chained on one float32 C (codes · hi and codes · lo
 halves), then one multiply-add per output:
     Q8_0, IQ2_XXS  acc += d_row · C                        (d_row: the row's 32-column scale)
     Q2_K           acc += d · C - dmin · (m0·Σx'_0 + m1·Σx'_1)
-and the store multiplies by 2^-p. Q2_K's 4-bit sub-block scale is folded into the codes
+and the store multiplies by 2^-p (F16: the weights are the pairs, scale 1; the ds4 mix's
+compressors, indexer and router, which mma.py's split kernel ran 3-4x slower on the H200, with x
+to 16 bits). Q2_K's 4-bit sub-block scale is folded into the codes
 (q·sc <= 45) and its mins use the sums of x' per 16 columns, which the x preparation makes.
 
 Codes to float16 pairs: two bytes b go into the low bytes of two halves whose high byte is
@@ -139,6 +141,21 @@ def _q8_0_frag(raw, tab, c, k0):
     p0, p1, p2, p3 = _word_pairs(w, True)
     z = float32(0)
     return p0, p1, p2, p3, float32(d), z, z, z
+
+
+@cuda.jit(device=True)
+def _f16_load(planes, e, n, k0, c):
+    (w,) = planes  # viewed as uint64: 4 halves a word, a lane's 8 columns in two
+    i = uint32(k0 >> 2) + uint32(2 * c)
+    return w[e, n, i], w[e, n, i + uint32(1)]
+
+
+@cuda.jit(device=True)
+def _f16_frag(raw, tab, c, k0):
+    """F16 weights are their own float16 pairs, scale 1 (exact: as the codes types' codes)."""
+    w0, w1 = raw
+    z = float32(0)
+    return _half(w0, 0), _half(w0, 1), _half(w1, 0), _half(w1, 1), float32(1), z, z, z
 
 
 # IQ2_XXS: the 256 grid rows as 8 float16 magnitudes (two uint64), then the 128 sign indices as
@@ -599,6 +616,7 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
 
 
 _SPECS = {GGMLType.Q8_0: ("q8_0", _q8_0_load, _q8_0_frag, 0, False),
+          GGMLType.F16: ("f16", _f16_load, _f16_frag, 0, False),
           GGMLType.IQ2_XXS: ("iq2_xxs", _iq2_xxs_load, _iq2_xxs_frag, TAB_WORDS, False),
           GGMLType.Q2_K: ("q2_k", _q2_k_load, _q2_k_frag, 0, True)}
 # Register caps of the 2-tile build (H200, 2026-12-03, a 1,024-token chunk): 128 gives 4
@@ -615,8 +633,9 @@ _SPECS = {GGMLType.Q8_0: ("q8_0", _q8_0_load, _q8_0_frag, 0, False),
 # IQ2_XXS gate+up 3.76-3.78 -> 3.51-3.53 ms, Q2_K down 2.55-2.58 -> 2.28-2.29, Q8_0 out_b
 # 0.75 -> 0.63-0.66, but q_b 0.74 -> 0.78 (32,768 rows: enough blocks that the warps count).
 # The prefill at 256K with all three at 4: 1,260 -> 1,328 tok/s (BENCHMARKS.md, 2026-12-04).
-MAX_REGISTERS_2 = {GGMLType.Q8_0: 128, GGMLType.IQ2_XXS: 128, GGMLType.Q2_K: 168}
-MAX_REGISTERS = {GGMLType.Q8_0: 255, GGMLType.IQ2_XXS: 255, GGMLType.Q2_K: 255}
+MAX_REGISTERS_2 = {GGMLType.Q8_0: 128, GGMLType.F16: 128, GGMLType.IQ2_XXS: 128,
+                   GGMLType.Q2_K: 168}
+MAX_REGISTERS = {qt: 255 for qt in _SPECS}
 # 16-row MMA tiles a warp per type (the launcher's grid follows; tests and scripts swap a
 # kernel and its entry here together)
 TILES_MI = {qt: MI for qt in _SPECS}
@@ -628,12 +647,21 @@ KERNELS_2 = {qt: _hmma_kernel(*spec, mi=2, max_registers=MAX_REGISTERS_2[qt])
 
 
 # ---- launchers -----------------------------------------------------------------------------------
+# Grids of fewer 4-tile blocks than this take the 2-tile build: None is the GPU's SM count,
+# looked up at the first launch (0 in the simulator, whose tests pick the build through
+# TILES_MI). H200 2026-12-04, 2,048 tokens (µs, 2 / 4 row tiles a warp): below one block an SM
+# the 2-tile grid wins (router 256 rows: 108 / 121, comp_kv of HCA 512: 127 / 135,
+# idx_proj 64: 88 / 106), at 256 blocks the 4-tile one (attn_q_a 1,024: 182 / 156, comp_kv of
+# CSA: 199 / 184).
+SMALL_GRID = 0 if SIMULATOR else None
 ENABLED = os.environ.get("POCKETFM_HMMA", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def supports(w: QWeight) -> bool:
-    """Whether gemm_hmma runs this weight (its type, rows of whole super-blocks)."""
-    return w.qtype in _KERNELS and w.cols % (256 if w.qtype != GGMLType.Q8_0 else KT) == 0
+    """Whether gemm_hmma runs this weight (its type, rows of whole blocks: 256 columns for the
+    super-block types, a K step for Q8_0 and F16)."""
+    whole = KT if w.qtype in (GGMLType.Q8_0, GGMLType.F16) else 256
+    return w.qtype in _KERNELS and w.cols % whole == 0
 
 
 def takes(w: QWeight) -> bool:
@@ -643,13 +671,13 @@ def takes(w: QWeight) -> bool:
 
 
 def _planes(w: QWeight):
-    """The planes as the kernels take them: Q8_0's codes as uint64 words (a lane's 8), the view
-    made once and kept on the weight (a device array view costs the host ~0.1 ms)."""
-    if w.qtype != GGMLType.Q8_0:
+    """The planes as the kernels take them: Q8_0's codes and F16's halves as uint64 words, the
+    view made once and kept on the weight (a device array view costs the host ~0.1 ms)."""
+    if w.qtype not in (GGMLType.Q8_0, GGMLType.F16):
         return w.planes
     planes = w.__dict__.get("_hmma_planes")
     if planes is None:
-        planes = (w.planes[0].view(np.uint64), w.planes[1])
+        planes = (w.planes[0].view(np.uint64),) + tuple(w.planes[1:])
         object.__setattr__(w, "_hmma_planes", planes)  # (QWeight is frozen: a cache, not state)
     return planes
 
@@ -658,6 +686,19 @@ def _table(w: QWeight):
     if w.qtype == GGMLType.IQ2_XXS:
         return _device_const("hmma_iq2_tab", IQ2_TAB)
     return _device_const("hmma_no_tab", np.zeros(1, np.uint64))
+
+
+def _kernel_for(qtype: int, N: int, gy: int):
+    """(kernel, mi) for N rows and gy token tiles: the type's build, or the 2-tile one when the
+    4-tile grid would have fewer than SMALL_GRID blocks (narrow weights such as the router's
+    256 rows: one block a 32-token tile; the 2-tile build makes two, half as long)."""
+    global SMALL_GRID
+    if SMALL_GRID is None:
+        SMALL_GRID = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    mi = TILES_MI[qtype]
+    if mi == 4 and cdiv(N, 64 * mi) * gy < SMALL_GRID:
+        return KERNELS_2[qtype], 2
+    return _KERNELS[qtype], mi
 
 
 def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0, tiles=None,
@@ -676,7 +717,8 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
     if per_token and order is None:
         order = _device_const(f"mma_identity_{R}", np.arange(R, dtype=np.int32))
     gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
-    _KERNELS[w.qtype][(cdiv(N, 64 * TILES_MI[w.qtype]), gy), THREADS, stream](
+    kern, mi = _kernel_for(w.qtype, N, gy)
+    kern[(cdiv(N, 64 * mi), gy), THREADS, stream](
         out, _planes(w), wh, wl, xsum, xs,
         ids if per_token else one, order if per_token else one,
         _no_tiles() if tiles is None else tiles, _table(w),
@@ -714,6 +756,7 @@ def prepare_x_ref(x):
 # ---- CI lane B and benchmarks --------------------------------------------------------------------
 _PLANES = {
     GGMLType.Q8_0: "Tuple((uint64[:, :, ::1], float16[:, :, ::1]))",
+    GGMLType.F16: "UniTuple(uint64[:, :, ::1], 1)",
     GGMLType.Q2_K: "Tuple((uint64[:, :, ::1], uint32[:, :, ::1], float16[:, :, ::1]))",
     GGMLType.IQ2_XXS: "Tuple((uint64[:, :, ::1], float16[:, :, ::1]))",
 }
@@ -729,9 +772,10 @@ PTX_SIGNATURES = [
 
 
 def bench_cases(stream) -> list[BenchCase]:
-    """A 1,024-token prefill chunk at V4-Flash shapes, beside mma.py's bf16 codes kernel on the
-    same data: q_b and out_b (Q8_0, dense), the routed experts' gate+up (IQ2_XXS) and down
-    (Q2_K) over 6,144 (token, expert) rows of 256 experts in expert_order's tiles."""
+    """A 1,024-token prefill chunk at V4-Flash shapes, beside mma.py's bf16 kernels on the
+    same data: q_b and out_b (Q8_0, dense), the indexer's q_b and the router (F16), the
+    routed experts' gate+up (IQ2_XXS) and down (Q2_K) over 6,144 (token, expert) rows of 256
+    experts in expert_order's tiles."""
     from . import gemv_lowbit
     from .gemv import _random_weight, _TYPES
     from .mma import expert_order, gemm_mma
@@ -751,15 +795,19 @@ def bench_cases(stream) -> list[BenchCase]:
             return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         cases.append(BenchCase("hmma", label, fn, nbytes, flops, check=check))
 
-    for name, N, K in (("attn_q_b", 32768, 1024), ("attn_output_b", 4096, 8192)):
-        host = _random_weight(_TYPES[GGMLType.Q8_0], N, K, rng)
+    for qt, name, N, K in ((GGMLType.Q8_0, "attn_q_b", 32768, 1024),
+                           (GGMLType.Q8_0, "attn_output_b", 4096, 8192),
+                           (GGMLType.F16, "indexer.attn_q_b", 8192, 1024),
+                           (GGMLType.F16, "ffn_gate_inp", 256, 4096)):
+        host = _random_weight(_TYPES[qt], N, K, rng)
         dev = host.to_device(stream)
         xh = rng.standard_normal((T, K)).astype(np.float32)
         x = cuda.to_device(xh, stream=stream)
         out = cuda.device_array((T, N), np.float32, stream=stream)
         nb, fl = dev.nbytes + 4 * T * (N + K), 2 * T * N * K
-        for how, f16 in (("gemm_hmma", True), ("gemm_mma (bf16 codes)", False)):
-            case(f"{how} q8_0 {name} {T} tok x {N}x{K}",
+        other = "bf16 codes" if qt == GGMLType.Q8_0 else "bf16 split"
+        for how, f16 in (("gemm_hmma", True), (f"gemm_mma ({other})", False)):
+            case(f"{how} {_TYPES[qt].name} {name} {T} tok x {N}x{K}",
                  lambda out=out, dev=dev, x=x, f16=f16: gemm_mma(out, dev, x, stream=stream,
                                                                  f16=f16),
                  nb, fl, host, xh, out)

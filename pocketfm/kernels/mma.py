@@ -30,9 +30,9 @@ words per row: the 32 lanes' fragment reads g·20 + c land in 32 different banks
 Two kernels: the split kernel above for F32/F16/BF16/Q4_K/MXFP4, and for the types whose
 weights are small integer codes times a scale (Q8_0, IQ2_XXS, Q2_K) a "codes" kernel with
 exact bf16 codes and two MMAs per tile (see _mma_codes_kernel): only x is rounded. On a GPU
-``gemm_mma`` hands those three types to hmma.py's float16 kernel (faster, x to 22 bits); the
-codes kernel stays for the simulator's tests and for A/B runs (``f16=False``,
-POCKETFM_HMMA=0).
+``gemm_mma`` hands those three types and F16 to hmma.py's float16 kernel (faster, x to 22
+bits); the codes kernel and the split kernel's F16 stay for the simulator's tests and for A/B
+runs (``f16=False``, POCKETFM_HMMA=0).
 
 Expert-indexed rows (``ids``: the MoE's (token, expert) rows, the grouped output projection's
 (group, token) rows): ``order`` lists the rows grouped by expert (``expert_order``), a tile
@@ -828,7 +828,7 @@ def gemm_mma(out, w: QWeight, x, ids=None, order=None, stream=0, split_k=None,
     expert's weight tile is filled once per EXPERT_TILE of its rows. ``split_k`` forces the
     K splits (default: enough for two blocks per SM; none with ids), ``narrow`` the 32-token
     tile (default: with tiles, or with ids and fewer than NARROW_ROWS_PER_EXPERT rows per
-    expert). ``f16``: run Q8_0 / IQ2_XXS / Q2_K on hmma.py's float16 codes kernel (default:
+    expert). ``f16``: run Q8_0 / IQ2_XXS / Q2_K / F16 on hmma.py's float16 kernel (default:
     on a GPU, ``hmma.takes``), not this module's bf16 codes kernel (which split_k / narrow ask
     for)."""
     T, N, K = x.shape[0], w.rows, w.cols

@@ -15,7 +15,8 @@ from pocketfm.kernels.gemv import pack_weight
 from pocketfm.kernels.mma import expert_order, expert_tiles_capacity
 from pocketfm.quants import GGMLType
 
-TYPES = {"q8_0": GGMLType.Q8_0, "q2_k": GGMLType.Q2_K, "iq2_xxs": GGMLType.IQ2_XXS}
+TYPES = {"q8_0": GGMLType.Q8_0, "f16": GGMLType.F16, "q2_k": GGMLType.Q2_K,
+         "iq2_xxs": GGMLType.IQ2_XXS}
 BOUND = 1e-4  # the bar for float32-accumulating kernels
 
 
@@ -66,7 +67,7 @@ def test_prepare_x_limbs_sums_and_scales():
 def test_dense_every_type(name, tiles_mi):
     qtype = TYPES[name]
     rng = fresh_rng()
-    K = 64 if qtype == GGMLType.Q8_0 else 256
+    K = 64 if qtype in (GGMLType.Q8_0, GGMLType.F16) else 256
     # 72 rows: every row tile of the first warp (either shape) and a partial one after it;
     # 41 tokens: a full token tile (the K loop without per-tile branches) and one of 9 tokens
     # (two busy 8-token tiles, two skipped)
@@ -123,6 +124,9 @@ def test_supports():
     rng = fresh_rng()
     assert hmma.supports(_weight(GGMLType.Q2_K, 1, 8, 256, rng))
     assert hmma.supports(_weight(GGMLType.Q8_0, 1, 8, 64, rng))
+    assert hmma.supports(_weight(GGMLType.F16, 1, 8, 64, rng))
+    assert not hmma.supports(_weight(GGMLType.F16, 1, 8, 48, rng))  # not whole K steps
+    assert not hmma.supports(_weight(GGMLType.BF16, 1, 8, 64, rng))  # not exact in float16
     assert not hmma.supports(_weight(GGMLType.Q4_K, 1, 8, 256, rng))
 
 
