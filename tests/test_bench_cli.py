@@ -33,6 +33,8 @@ def test_bench_tiny_in_the_simulator():
     r = json.loads(out.strip().splitlines()[-1])
     assert r["ctx"] == 44 and r["decode_tok_s"] > 0
     assert r["prefill_tokens"] == 4 and r["prefill_tok_s"] > 0 and r["prefill_chunk"] == 4
+    chunks = r["prefill_chunks_s"]  # each chunk's time: one chunk, the whole prefill
+    assert len(chunks) == 1 and 0 < chunks[0] <= r["prefill_s"]
     nb = r["bytes_per_token"]
     # tiny at ctx 44, 200-byte entries and 36-byte keys: 5 windows of 16 entries; 2 CSA layers
     # attending their top 8 of 11 entries after scoring all 11 keys; 1 HCA layer reading 5

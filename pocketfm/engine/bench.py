@@ -170,10 +170,13 @@ def time_prefill(eng: DecodeEngine, start: int, n: int, chunk: int, seed: int = 
     launch_s = time.perf_counter() - t0
     eng.stream.synchronize()
     run_s = time.perf_counter() - t0
-    seconds = pf.ingest(start + n, start=start)
+    done = []  # when each chunk of the timed run completed (the host waits for chunk c only
+    # once chunk c+1 is launched, so this costs the GPU nothing): a slow chunk shows up here
+    seconds = pf.ingest(start + n, start=start, progress=lambda d, total, t: done.append(t))
     return dict(prefill_tokens=n, prefill_chunk=chunk, prefill_tok_s=n / seconds,
                 prefill_s=seconds, prefill_first_chunk_s=first_s,
                 prefill_chunk_launch_s=launch_s, prefill_chunk_run_s=run_s,
+                prefill_chunks_s=[b - a for a, b in zip([0.0] + done, done)],
                 prefill_workspace_bytes=pf.nbytes)
 
 

@@ -135,13 +135,17 @@ class ChunkPrefill:
         finish kernel have their own simulator tests)."""
         return None if self.eng.sim else self.hc_mix[:T]
 
+    @staticmethod
+    def _limbs_here(T: int) -> bool:
+        """Whether a chunk of T tokens prepares hmma.py's x itself for the GEMMs that take it
+        (not in the simulator, with POCKETFM_HMMA=0, or for few enough tokens for gemv's decode
+        kernels)."""
+        return hmma.ENABLED and not SIMULATOR and T > DECODE_MAX_TOKENS
+
     def _limbs(self, x, T: int):
-        """hmma.py's float16 limbs of x [T, K] for the GEMMs that read it, made once; None where
-        those GEMMs take other kernels (the simulator, POCKETFM_HMMA=0, or few enough tokens
-        for gemv's decode kernels)."""
-        if not hmma.ENABLED or SIMULATOR or T <= DECODE_MAX_TOKENS:
-            return None
-        return hmma.prepare_x(x, self.eng.stream)
+        """hmma.py's float16 limbs of x [T, K] for the GEMMs that read it, made once (None:
+        not _limbs_here)."""
+        return hmma.prepare_x(x, self.eng.stream) if self._limbs_here(T) else None
 
     def _gemm(self, out, w, x, limbs) -> None:
         """out = W · x: from x's prepared ``limbs`` where hmma.py takes the weight, else gemv."""
@@ -203,24 +207,33 @@ class ChunkPrefill:
                               self.pos0, L.sinks, scale, stream=s, threads=nt)
         store_chunk_rows(c.window, rows, self.pos0, stream=s, threads=nt)
         rope(o, o, self.pos, L.freqs, True, s, threads=nt, **sim)
-        self._grouped_out_a(i, T, o)
         f = self.f[:T]
-        gemv(f, L.out_b, self.y[:T].reshape(T, cfg.o_groups * cfg.o_rank), None, s, threads=nt)
+        self._output_projection(i, T, o, f)
         hc_post(X_out, f, X, self.post[:T], self.comb[:T], s, threads=nt, **sim)
 
-    def _grouped_out_a(self, i: int, T: int, o) -> None:
-        """y[t, g] = out_a[g] · o[t, g]: rows put in group-major order, so that the
-        expert-indexed GEMM's token tiles each hold one group (one weight), then back."""
+    def _output_projection(self, i: int, T: int, o, f) -> None:
+        """f = out_b · y, y[t, g] = out_a[g] · o[t, g]: out_a over the rows in group-major order,
+        so that the expert-indexed GEMM's token tiles each hold one group (one weight). On
+        hmma.py's kernel the x preparations read o and y_groups in the order they are written
+        (no transposes); else o goes to group-major order and y back to token-major."""
         cfg, s, nt = self.cfg, self.eng.stream, self.eng.nt
-        G = cfg.o_groups
-        o_g, y_g = self._view(self.o_groups, G, T), self._view(self.y_groups, G, T)
-        sk.swap_leading(o_g, o.reshape(T, G, o.shape[1] // G * o.shape[2]), s)
+        L, G = self.eng.w.layers[i], cfg.o_groups
+        o3 = o.reshape(T, G, o.shape[1] // G * o.shape[2])
+        y_g = self._view(self.y_groups, G, T)
         if T not in self._group_ids:
             self._group_ids[T] = cuda.to_device(np.repeat(np.arange(G, dtype=np.int32), T),
                                                 stream=s)
-        gemv(y_g.reshape(G * T, cfg.o_rank), self.eng.w.layers[i].out_a,
-             o_g.reshape(G * T, o_g.shape[2]), self._group_ids[T], s, threads=nt)
+        if self._limbs_here(T) and hmma.takes(L.out_a) and hmma.takes(L.out_b):
+            hmma.gemm_hmma_prepared(y_g.reshape(G * T, cfg.o_rank), L.out_a,
+                                    hmma.prepare_x_group_major(o3, s), self._group_ids[T], stream=s)
+            hmma.gemm_hmma_prepared(f, L.out_b, hmma.prepare_x_token_major(y_g, s), stream=s)
+            return
+        o_g = self._view(self.o_groups, G, T)
+        sk.swap_leading(o_g, o3, s)
+        gemv(y_g.reshape(G * T, cfg.o_rank), L.out_a, o_g.reshape(G * T, o_g.shape[2]),
+             self._group_ids[T], s, threads=nt)
         sk.swap_leading(self.y[:T], y_g, s)
+        gemv(f, L.out_b, self.y[:T].reshape(T, G * cfg.o_rank), None, s, threads=nt)
 
     @staticmethod
     def _view(full, G: int, T: int):

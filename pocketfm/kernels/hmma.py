@@ -281,8 +281,26 @@ def _swiglu_value(src, w, clamp, b, i):
     return swiglu_scalar(src[b, i], src[b, F + i], w[b], clamp)
 
 
+@cuda.jit(device=True)
+def _group_major_value(src, w, clamp, b, i):
+    """Row b = g·T + t of src [T, G, n]'s group-major rows: src[t, g, i]."""
+    T = src.shape[0]
+    g = b // T
+    return src[b - g * T, g, i]
+
+
+@cuda.jit(device=True)
+def _token_major_value(src, w, clamp, b, i):
+    """Row b (a token) of src [G, T, n] in token-major order: column i is src[i // n, b, i % n]."""
+    n = src.shape[2]
+    g = i // n
+    return src[g, b, i - g * n]
+
+
 _prep_x = _prep_kernel(_x_value)
 _prep_x_swiglu = _prep_kernel(_swiglu_value)
+_prep_x_group_major = _prep_kernel(_group_major_value)
+_prep_x_token_major = _prep_kernel(_token_major_value)
 
 
 _WORKSPACES: dict = {}  # id(stream) -> (stream, float32 device array)
@@ -343,6 +361,25 @@ def prepare_x(x, stream=0):
     bufs = _x_buffers(stream, R, K)
     one = _dummies()[0]
     _prep_x[R, PREP, stream](*bufs, x, one, float32(0))
+    return bufs
+
+
+def prepare_x_group_major(x, stream=0):
+    """As prepare_x for the rows of x [T, G, n] in group-major order (row g·T + t is x[t, g]):
+    the grouped output projection's x, read where the attention wrote it (H200 2026-12-04: a
+    transpose launch there and one back took 0.57 ms a layer at 2,048 tokens)."""
+    T, G, n = x.shape
+    bufs = _x_buffers(stream, G * T, n)
+    _prep_x_group_major[G * T, PREP, stream](*bufs, x, _dummies()[0], float32(0))
+    return bufs
+
+
+def prepare_x_token_major(x, stream=0):
+    """As prepare_x for x [G, T, n] read as T token rows of G·n columns (row t is x[0, t],
+    x[1, t], ...): the grouped output projection's output as out_b's x."""
+    G, T, n = x.shape
+    bufs = _x_buffers(stream, T, G * n)
+    _prep_x_token_major[T, PREP, stream](*bufs, x, _dummies()[0], float32(0))
     return bufs
 
 
@@ -768,7 +805,10 @@ PTX_SIGNATURES = [
     (_prep_x, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
               "float32[:, ::1], int32[::1], float32)"),
     (_prep_x_swiglu, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
-                     "float32[:, ::1], float32[::1], float32)")]
+                     "float32[:, ::1], float32[::1], float32)")] + [
+    (kern, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
+           "float32[:, :, ::1], int32[::1], float32)")
+    for kern in (_prep_x_group_major, _prep_x_token_major)]
 
 
 def bench_cases(stream) -> list[BenchCase]:

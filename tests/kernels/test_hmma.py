@@ -63,6 +63,27 @@ def test_prepare_x_limbs_sums_and_scales():
     assert (err <= np.abs(x) * 2.0 ** -21 + np.abs(x).max(axis=1, keepdims=True) * 2.0 ** -23).all()
 
 
+def test_prepare_x_in_group_and_token_major_order():
+    # the grouped output projection's x read in place: the same limbs, sums and scales as
+    # prepare_x of the transposed array (bit for bit: the same values in the same order)
+    rng = fresh_rng()
+    T, G, n = 5, 3, 64
+    o = _x(rng, T * G, n).reshape(T, G, n)
+    got = [a.copy_to_host() for a in hmma.prepare_x_group_major(cuda.to_device(o))]
+    want = [a.copy_to_host() for a in
+            hmma.prepare_x(cuda.to_device(np.ascontiguousarray(o.transpose(1, 0, 2))
+                                          .reshape(G * T, n)))]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    y = _x(rng, G * T, n).reshape(G, T, n)
+    got = [a.copy_to_host() for a in hmma.prepare_x_token_major(cuda.to_device(y))]
+    want = [a.copy_to_host() for a in
+            hmma.prepare_x(cuda.to_device(np.ascontiguousarray(y.transpose(1, 0, 2))
+                                          .reshape(T, G * n)))]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_dense_every_type(name, tiles_mi):
     qtype = TYPES[name]
