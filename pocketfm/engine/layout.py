@@ -309,11 +309,6 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("no_sel", T, 1, dtype=i32)
     s.add("zeros_T", T, dtype=i32)
     s.add("ones_T", T)
-    # the HCA layers' compressed rows decoded once a layer and chunk (attention_prefill's
-    # ``keys``: bf16 pairs, whole 16-row tiles), one buffer for every HCA layer
-    hca = [max(1, capacity // r) for r in ratios if r != 4]
-    if hca:
-        s.add("hca_keys", -(-max(hca) // 16) * 16, K // 2, dtype=np.uint32)
     s.add("f", T, D)
     s.add("router", T, cfg.n_experts)
     s.add("route_w", T, k)
@@ -347,8 +342,10 @@ def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
       then h (the SwiGLU's output, read by the down GEMM); then the shared expert's gate_up
       (on hmma.py's path, which writes no x_rep or h, before the routed GEMMs: it reads the
       same prepared x).
-    - the indexer's qi until its Hadamard; its scores until the top-k; y_groups (out_a's
-      output, group-major) until it is put in token order.
+    - the indexer's qi until its Hadamard; its scores until the top-k; attn_keys (the
+      compressed rows and the window's keys decoded for the attention, uint32 bf16 pairs)
+      until the attention has read them; y_groups (out_a's output, group-major) until it is
+      put in token order.
     - the indexer's rotated qi_rot until the last scoring pass; the shared expert's h.
 
     On V4-Flash at 256K the workspace is 0.96 GB at T = 1,024 and 1.65 GB at T = 2,048
@@ -356,14 +353,18 @@ def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
     T, H, K, G = int(chunk), cfg.n_heads, cfg.head_dim, cfg.o_groups
     Tk, D, F = T * cfg.n_experts_used, cfg.dim, cfg.moe_dim
     HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.o_rank
+    from ..kernels.attention_prefill import key_rows
+    ratios = compressed_ratios(cfg)  # (every layer's compressed rows fit the smallest ratio's)
+    attn_keys_rows = key_rows(max(1, capacity // min(ratios, default=capacity)), cfg.window, T)
     return {"q|o_groups|y|gate_up|down": {"q": (T, H, K), "o_groups": (G, T, H // G * K),
                                           "y": (T, G, R), "gate_up": (Tk, 2 * F),
                                           "down": (Tk, D)},
             "o|x_rep|h|sh_gate_up": {"o": (T, H, K), "x_rep": (Tk, D), "h": (Tk, F),
                                      "sh_gate_up": (T, 2 * F)},
-            "qi|scores|y_groups": {"qi": (T, HI, DI),
-                                   "scores": (prefill_scores_floats(capacity, T),),
-                                   "y_groups": (G, T, R)},
+            "qi|scores|attn_keys|y_groups": {"qi": (T, HI, DI),
+                                             "scores": (prefill_scores_floats(capacity, T),),
+                                             "attn_keys": (attn_keys_rows, K // 2),
+                                             "y_groups": (G, T, R)},
             "qi_rot|sh_h": {"qi_rot": (T, HI, DI), "sh_h": (T, F)}}
 
 

@@ -74,6 +74,7 @@ class ChunkPrefill:
         for name, views in prefill_shared_buffers(cfg, eng.capacity, self.T).items():
             for view, shape in views.items():
                 setattr(self, view, b[name][:int(np.prod(shape))].reshape(shape))
+        self.attn_keys = self.attn_keys.view(np.uint32)  # (bf16 pairs in a float32 buffer)
         self.X = (b["X.0"], b["X.1"])
         self.comp_in = {w: (b[f"comp_in.{w}.0"], b[f"comp_in.{w}.1"])
                         for w in compressor_widths(cfg)}
@@ -197,14 +198,15 @@ class ChunkPrefill:
         if cfg.is_csa(i):
             sel = self._indexer(i, T, L, c)
             attention_prefill(*args, comp, sel, self.visible[c.ratio], 0, self.pos0, L.sinks,
-                              scale, stream=s, threads=nt)
+                              scale, stream=s, threads=nt, keys=self.attn_keys)
         elif c.ratio:  # HCA: every visible entry
             attention_prefill(*args, comp, self.no_sel[:T], self.visible[c.ratio], 1,
                               self.pos0, L.sinks, scale, stream=s, threads=nt,
-                              keys=self.hca_keys)
+                              keys=self.attn_keys)
         else:
             attention_prefill(*args, eng.no_comp, self.no_sel[:T], self.zeros_T[:T], 0,
-                              self.pos0, L.sinks, scale, stream=s, threads=nt)
+                              self.pos0, L.sinks, scale, stream=s, threads=nt,
+                              keys=self.attn_keys)
         store_chunk_rows(c.window, rows, self.pos0, stream=s, threads=nt)
         rope(o, o, self.pos, L.freqs, True, s, threads=nt, **sim)
         f = self.f[:T]

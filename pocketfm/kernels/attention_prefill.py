@@ -26,26 +26,29 @@ S selected slots, N compressed entries.
 On a GPU the launcher takes the tensor-core kernel instead (``mma``; the tile kernel ran at ~9
 TFLOP/s on the H200, 813 ms of a 1,024-token chunk at 256K). All H heads of a token share its
 keys (one latent kv head), so per token S = Q·Kᵀ and O += P·V are GEMMs with the heads as M: a
-block takes one token and MT m-tiles of 16 heads (4·MT warps). Per tile of 16 key slots:
+block takes one token and MT m-tiles of 16 heads (4·MT warps). Per tile of KT key slots (16
+in the decode form and without ``keys``; 32 with them, the engine's prefill):
 
-1. keys: each thread takes (key, uint64 word) items, keys fastest: 8 FP8 codes (or 4 bf16
-   rope dims) written key-major into shared memory, the one tile both MMAs read: the scores'
-   B fragments by ldmatrix, P·V's by ldmatrix.trans (V is the same latent vector as K).
-   Every value is exact in bf16 (e4m3 times a power of two; rope dims are bf16 already), so
-   only q and P are split as hi + lo (mma.py's bf16x3 idea: two MMAs, float32 sums, rel.
-   error ~1e-5). HCA in the prefill (``keys`` given, the PRE build): every token of a chunk
-   sees the same compressed rows, so they are decoded once a layer and chunk into a bf16
-   workspace, and each token's list starts with them in whole tiles that cp.async copies
-   into one of two buffers while the other one's tile is in the MMAs (decoding them again
-   for every token made the kernel ~1.3x slower).
+1. keys into shared memory, key-major, the one tile both MMAs read: the scores' B fragments
+   by ldmatrix, P·V's by ldmatrix.trans (V is the same latent vector as K). Every value is
+   exact in bf16 (e4m3 times a power of two; rope dims are bf16 already), so only q and P
+   are split as hi + lo (mma.py's bf16x3 idea: two MMAs, float32 sums, rel. error ~1e-5).
+   With ``keys`` (the PRE build, every layer of the engine's prefill) the compressed rows
+   the chunk sees and the window's keys by position are decoded once a layer and chunk into
+   a bf16 workspace (``decode_rows``: ~1 KB a row, 66 MB at 256K for CSA's 65,536 rows), and
+   each key of a token's list is a row of it: its compressed slots first (HCA's rows in
+   order, CSA's as sel picks them), then its window; cp.async copies the next tile's rows
+   into one of two buffers while the other one's tile is in the MMAs. Without ``keys`` each
+   thread takes (key, uint64 word) items, keys fastest, and decodes 8 FP8 codes (or copies 4
+   bf16 rope dims) itself; on the H200 that cost HCA ~1.45x and CSA ~1.3x (2026-12-04 (e)).
 2. scores: warp (m-tile, quarter) multiplies its 16 heads' q over K/4 dims (A fragments in
-   registers for the whole launch) by the 16 keys; the four quarters' partials meet in shared.
+   registers for the whole launch) by the KT keys; the four quarters' partials meet in shared.
 3. softmax: 8 threads per head row (max, exp, sum by xor shuffles), P written as bf16 hi + lo.
 4. P·V: the warp rescales its 16 heads x K/4 output dims (registers) and adds P·V.
 
-The next tile's words and its keys' scale words are requested right after step 1's barrier
-(in flight during the MMAs), the key codes of the tile after that one tile earlier still (a
-CSA code reads sel first). Key-major rows are K/2 + 4 words long (4 mod 32), so the eight
+The next tile's words (or rows) are requested right after step 1's barrier (in flight
+during the MMAs), the key codes of the tile after that one tile earlier still (a CSA code
+reads sel first). Key-major rows are K/2 + 4 words long (4 mod 32), so the eight
 16-byte rows an ldmatrix reads fall in different banks.
 """
 from __future__ import annotations
@@ -103,19 +106,44 @@ def attention_prefill_ref(out, q, window_packed, chunk_packed, comp_packed, sel,
     ops.sink_attention(out, q, kv, mask, sinks, scale)
 
 
-def decode_rows_ref(keys, comp_packed, n_comp_visible) -> None:
-    """keys[r, K/2] uint32 <- comp_packed row r as bf16 pairs (dim 2i in the low half), for
-    r < n = min(n_comp_visible[-1], rows); rows n .. n rounded up to 16 zeroed, the rest left
-    as they are. Every unpacked value is exact in bf16, so its bits are float32's top half."""
+def _bf16_pairs(packed, K, R):
+    """Packed entries [n, bytes] as bf16 pairs [n, K/2] uint32 (dim 2i in the low half): every
+    unpacked value is exact in bf16, so its bits are float32's top half."""
+    vals = np.empty((len(packed), K), np.float32)
+    kvpack.unpack_kv_ref(vals, packed, R)
+    half = (vals.view(np.uint32) >> np.uint32(16)).reshape(len(packed), K // 2, 2)
+    return half[:, :, 0] | (half[:, :, 1] << np.uint32(16))
+
+
+def decode_rows_ref(keys, comp_packed, n_comp_visible, window_packed, chunk_packed,
+                    pos0) -> None:
+    """keys[r, K/2] uint32 (bf16 pairs) <- every key row of the tensor-core kernel's PRE build:
+    - comp_packed row r for r < n = min(n_comp_visible[-1], Ncap); rows n .. n rounded up to
+      ROW_TILE zeroed (a tile's rows past a token's count are masked, and must be finite for
+      P = 0 times them to vanish);
+    - from row C = Ncap rounded up to ROW_TILE: the window's keys by position, row C + r for
+      position pos0 - W + r: the ring's entries (zeros below position 0), then the chunk's T,
+      then ROW_TILE rows of zeros (a token's last window tile may run past the chunk).
+    The rest is left as it is."""
     K = 2 * keys.shape[1]
-    rows = comp_packed.shape[0]
+    ncap, W, T = comp_packed.shape[0], window_packed.shape[0], chunk_packed.shape[0]
     R = rope_dim_of(K, comp_packed.shape[1])
-    n = max(0, min(int(np.asarray(n_comp_visible).reshape(-1)[-1]), rows))
-    vals = np.empty((n, K), np.float32)
-    kvpack.unpack_kv_ref(vals, comp_packed[:n], R)
-    half = (vals.view(np.uint32) >> np.uint32(16)).reshape(n, K // 2, 2)
-    keys[:n] = half[:, :, 0] | (half[:, :, 1] << np.uint32(16))
-    keys[n:min(-(-n // 16) * 16, keys.shape[0])] = 0
+    n = max(0, min(int(np.asarray(n_comp_visible).reshape(-1)[-1]), ncap))
+    keys[:n] = _bf16_pairs(comp_packed[:n], K, R)
+    keys[n:-(-n // ROW_TILE) * ROW_TILE] = 0
+    C = -(-ncap // ROW_TILE) * ROW_TILE
+    p0 = int(np.asarray(pos0).reshape(-1)[0])
+    pos = p0 - W + np.arange(W)
+    keys[C:C + W + T + ROW_TILE] = 0
+    ring = pos >= 0
+    keys[C:C + W][ring] = _bf16_pairs(window_packed[pos[ring] % W], K, R)
+    keys[C + W:C + W + T] = _bf16_pairs(chunk_packed, K, R)
+
+
+def key_rows(ncap: int, W: int, T: int) -> int:
+    """Rows the ``keys`` workspace needs for Ncap compressed rows, W window slots and a T-token
+    chunk (decode_rows_ref's layout)."""
+    return -(-ncap // ROW_TILE) * ROW_TILE + W + T + ROW_TILE
 
 
 def store_chunk_rows_ref(window_packed, chunk_packed, pos0) -> None:
@@ -297,8 +325,12 @@ def _tile_kernel(K: int, R: int, NT: int):
 
 
 # ---- tensor-core kernel: S = Q·Kᵀ and O += P·V as MMAs, one block per (token, 16·MT heads) ----
-MKC = 16  # key slots per tile: one 16-wide k-step of P·V
-LDP = MKC // 2  # words per row of P (bf16 key pairs)
+MKC = 16  # key slots per tile of the decode form (attention.py plans its splits in these)
+KT_MAX = 64  # the prefill's tiles: up to 4 k-steps of P·V per pass of the softmax
+# the prefill's tiles by default: HCA's (``PRE``: every tile copied, no packed words held in
+# registers) 32 keys, CSA's (decoded in the kernel) 16 (at 32, 404 bytes of spills)
+KEY_TILE_PRE, KEY_TILE = 32, 16
+ROW_TILE = KT_MAX  # decoded HCA rows are zeroed up to a multiple of this (whole tiles)
 MAX_MT = 2  # m-tiles (16 heads each) per block: 4 warps each
 MXCH = 32 * 4 * MAX_MT * 6 if device.SIMULATOR else 1  # simulator MMA exchange (mma.py)
 MSHF = 32 * 4 * MAX_MT if device.SIMULATOR else 1  # simulator lane exchange
@@ -336,16 +368,19 @@ def _fp8x4_pairs(wd, cs):
 
 
 @_inline
-def _hca_key_code(m, t, p0, W, nwc, nct16, ncomp):
-    """Code of slot m of an HCA token's key list when the compressed rows come decoded
-    (``keys``): rows 0 .. nct16-1 first (tile-aligned; ncomp .. nct16-1 are no keys), then the
-    window's nwc positions as in _key_code."""
-    if m < nct16:
-        return 4 * m + COMP if m < ncomp else -1
-    kp = p0 + t - nwc + 1 + (m - nct16)  # (_key_code's window part)
-    if kp < p0:
-        return 4 * (kp % W) + WIN
-    return 4 * (kp - p0) + CHUNK
+def _pre_key_row(m, t, nwc, ncs, ncomp, wrow, sel, all_visible, ncap):
+    """Row of ``keys`` (decode_rows_ref's layout) of slot m of token t's key list in the PRE
+    build, or -1 (no key): the compressed slots first (ncs of them, whole tiles: HCA's row m
+    below its count ncomp, CSA's sel[t, m]), then the window's nwc keys, from row wrow on."""
+    if m < ncs:
+        if all_visible:
+            return m if m < ncomp else -1
+        if m >= ncomp:
+            return -1
+        j = int(sel[t, m])
+        return j if j >= 0 and j < ncap else -1
+    i = m - ncs
+    return wrow + i if i < nwc else -1
 
 
 @_inline
@@ -361,26 +396,39 @@ def _decode_key_code(m, nwin, W, sel, all_visible, ncap):
     return 4 * j + COMP if j >= 0 and j < ncap else -1
 
 
-def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
+def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
+                KT: int = MKC):
     """(kernel, threads, dynamic shared bytes) of the tensor-core prefill attention for head
-    dim K, R rope dims and MT m-tiles of 16 heads a block (closure constants: literal offsets,
-    register arrays of fixed size). ``DEC``: the decode form (attention_decode_mma): one token,
-    its key list split over blockIdx.x, partials out. ``PRE``: HCA with its compressed rows
+    dim K, R rope dims, MT m-tiles of 16 heads a block and KT key slots a tile (closure
+    constants: literal offsets, register arrays of fixed size). ``DEC``: the decode form
+    (attention_decode_mma, 16-key tiles): one token, its key list split over blockIdx.x,
+    partials out. ``PRE``: HCA with its compressed rows
     decoded once (``keys``): each token's list starts with them in whole tiles, which arrive
     by cp.async into two alternating buffers (the next one in flight during this one's MMAs),
     then the window, decoded in the kernel as usual. (A separate build: the branches and the
     second buffer made the other forms ~15% slower.)"""
-    if (K, R, MT, DEC, PRE) in _MMAS:
-        return _MMAS[(K, R, MT, DEC, PRE)]
-    if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT:
-        raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}")
+    key = (K, R, MT, DEC, PRE, KT)
+    if key in _MMAS:
+        return _MMAS[key]
+    if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT or \
+            KT not in (16, 32, 64) or DEC and KT != MKC:
+        raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}, "
+                         f"{KT} keys a tile")
     NOPE = K - R
     NT = 128 * MT
     HG = 16 * MT  # heads per block
     NF8 = NOPE // 8  # uint64 words per entry: NF8 of FP8 codes, R/4 of rope dims, the scales
     NW8 = NF8 + R // 4
-    NLD = cdiv(MKC * NW8, NT)  # a tile's words per thread
+    NLD = 1 if PRE else cdiv(KT * NW8, NT)  # a tile's words per thread (PRE copies them all)
     SQ = K // 64  # score k-steps per warp (its K/4 dims)
+    NS = KT // 8  # score n-tiles per warp (8 keys each)
+    # with two n-tiles (16 keys) q's hi and lo products go to two accumulators (four chains
+    # of MMAs, not two); wider tiles have chains enough, and one accumulator saves registers
+    SPLIT = NS <= 2
+    NSH, NSL = 4 * NS, 4 * NS if SPLIT else 1
+    KP = KT // 16  # key pairs per softmax thread (8 threads a head row)
+    NEV = 2 * KP  # (a literal for cuda.local.array)
+    LDP = KT // 2  # words per row of P (bf16 key pairs)
     NI = K // 32  # output n-tiles per warp (its K/4 dims, 8 each)
     NQ, NACC = 4 * SQ, 4 * NI  # (literals for cuda.local.array)
     # key-major rows of LDK words, 4 mod 32: the 8 16-byte rows an ldmatrix reads sit in
@@ -389,12 +437,12 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
     # kt[2][key][dim pair], two buffers (tile i in buffer i % 2): the B operand of S = Q·Kᵀ,
     # and (transposed) of O += P·V
     KT0 = 0
-    KTB = MKC * LDK  # words per buffer (one buffer without PRE: its tiles are all decoded
+    KTB = KT * LDK  # words per buffer (one buffer without PRE: its tiles are all decoded
     # in the kernel, after the barrier that ends the last reader of the previous tile)
-    NCP = cdiv(MKC * K // 8, NT)  # 16-byte copies per thread of a decoded tile (``keys``)
+    NCP = cdiv(KT * K // 8, NT)  # 16-byte copies per thread of a decoded tile (``keys``)
     # sp[quarter][head][key]: the warps' partial scores (float32)
     SP0 = KT0 + (2 if PRE else 1) * KTB
-    PH0 = SP0 + 4 * HG * (MKC + 1)  # P as bf16 pairs, hi then lo, [head][key pair]
+    PH0 = SP0 + 4 * HG * (KT + 1)  # P as bf16 pairs, hi then lo, [head][key pair]
     PL0 = PH0 + HG * LDP
     AL0 = PL0 + HG * LDP  # per head: the tile's rescale factor, running max, running sum
     M0 = AL0 + HG
@@ -404,23 +452,25 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
     @_inline
     def _request_tile(wv, win, chunk, comp, kcode, b, tid):
         """Load the words of the tile whose codes are kcode[b] into wv (items: key fastest,
-        clamped), and return the scale word of key ``tid`` (threads tid < MKC)."""
+        clamped), and return the scale word of key ``tid`` (threads tid < KT)."""
         for u in range(NLD):
-            it = min(tid + u * NT, MKC * NW8 - 1)
-            j = it // MKC
-            wv[u] = _entry_word(win, chunk, comp, kcode[b, it - j * MKC], j)
-        return _entry_word(win, chunk, comp, kcode[b, min(tid, MKC - 1)], NW8)
+            it = min(tid + u * NT, KT * NW8 - 1)
+            j = it // KT
+            wv[u] = _entry_word(win, chunk, comp, kcode[b, it - j * KT], j)
+        return _entry_word(win, chunk, comp, kcode[b, min(tid, KT - 1)], NW8)
 
     @_inline
-    def _copy_tile(smem_u, dst, keys, row0, tid):
-        """cp.async rows row0 .. row0 + MKC-1 of the decoded keys into the kt buffer at word
-        dst (16-byte pieces, a row's pieces on consecutive threads)."""
+    def _copy_tile(smem_u, dst, keys, kcode, b, zrow, tid):
+        """cp.async the decoded keys rows kcode[b, ·] (no key: row zrow, zeros) into the kt
+        buffer at word dst (16-byte pieces, a row's pieces on consecutive threads)."""
         for u in range(NCP):
             it = tid + u * NT
-            if it < MKC * K // 8:
+            if it < KT * K // 8:
                 kk = it // (K // 8)
                 p = it - kk * (K // 8)
-                _cp_async16(smem_u, dst + kk * LDK + 4 * p, keys, (row0 + kk) * (K // 2) + 4 * p)
+                row = kcode[b, kk]
+                row = zrow if row < 0 else row
+                _cp_async16(smem_u, dst + kk * LDK + 4 * p, keys, row * (K // 2) + 4 * p)
 
     @device.kernel
     def _attention_prefill_mma(out, q, win, chunk, comp, keys, sel, n_comp, all_visible, pos0,
@@ -430,8 +480,8 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
         (uint32 bf16 pairs [rows, K/2]; read by the PRE build only, else a placeholder)."""
         smem_u = cuda.shared.array(0, uint32)
         smem_f = cuda.shared.array(0, float32)  # the same bytes
-        kcode = cuda.shared.array((3, MKC), int32)  # tiles i, i+1, i+2 (at i % 3 ..)
-        kscl = cuda.shared.array((2, MKC), uint64)  # tiles i, i+1 (at i % 2 ..): scale words
+        kcode = cuda.shared.array((3, KT), int32)  # tiles i, i+1, i+2 (at i % 3 ..)
+        kscl = cuda.shared.array((2, KT), uint64)  # tiles i, i+1 (at i % 2 ..): scale words
         xch = cuda.shared.array(MXCH, np.int64)
         shf = cuda.shared.array(MSHF, float32)
         H = q.shape[1]
@@ -456,8 +506,9 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
                 v1 = q[t, h, d + 1] * scale if h < H else zero
                 qh[4 * s + r], ql[4 * s + r] = _split_pair(v0, v1)
         wv = cuda.local.array(NLD, uint64)  # the next tile's packed words, in flight
-        sh = cuda.local.array(8, float32)  # score tiles: q hi and q lo products
-        sl = cuda.local.array(8, float32)
+        sh = cuda.local.array(NSH, float32)  # score tiles: q hi (and lo, SPLIT) products
+        sl = cuda.local.array(NSL, float32)  # (SPLIT: q lo's)
+        ev = cuda.local.array(NEV, float32)  # the softmax thread's scores, then exps
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = zero
@@ -465,61 +516,71 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
             smem_f[M0 + tid] = NEG_INF
             smem_f[L0 + tid] = zero
         p0 = int(pos0[0])  # DEC: the window's entry count
-        if DEC:  # this split's whole tiles of the list: slots tb0·MKC .. send-1
+        if DEC:  # this split's whole tiles of the list: slots tb0·KT .. send-1
             nwc = W
             nslot = W + _comp_count(0, sel, n_comp, all_visible, ncap)
-            per = ((nslot + MKC - 1) // MKC + cuda.gridDim.x - 1) // cuda.gridDim.x
+            per = ((nslot + KT - 1) // KT + cuda.gridDim.x - 1) // cuda.gridDim.x
             tb0 = cuda.blockIdx.x * per
-            send = min(nslot, (tb0 + per) * MKC)
+            send = min(nslot, (tb0 + per) * KT)
         else:
             nwc = _window_count(t, p0, W)
             nslot = nwc + _comp_count(t, sel, n_comp, all_visible, ncap)
             tb0 = 0
             send = nslot
-        # decoded HCA rows: the compressed part first, in whole tiles copied from ``keys``
+        # PRE: every key a row of ``keys``, copied: the compressed slots first, in whole
+        # tiles, then the window's keys (decode_rows_ref's layout)
         ncomp = nslot - nwc
-        nct = (ncomp + MKC - 1) // MKC if PRE else 0
+        nct = (ncomp + KT - 1) // KT if PRE else 0
+        ntile = 0
+        wrow = 0  # PRE: the keys row of the token's first window key
+        zrow = 0  # PRE: a row of zeros (the one after the chunk's rows)
         if PRE:
-            send = nct * MKC + nwc
+            send = nct * KT + nwc
+            ntile = nct + (nwc + KT - 1) // KT
+            C = (ncap + ROW_TILE - 1) // ROW_TILE * ROW_TILE
+            wrow = C + t + W - nwc + 1
+            zrow = C + W + chunk.shape[0]
         # The pipeline: tile i's words (and its keys' scale words) are requested during tile
         # i-1's MMAs, its key codes during tile i-2 (a code may need sel[t, ·] first: two
         # dependent reads kept off the path between barriers).
         # (_key_code is called in place: an inlined wrapper of it makes NVVM 13.5 fail under
         # lineinfo=True, as the naive kernel's doc says)
-        if tid < MKC:
+        if tid < KT:
             for i in range(2):
-                m = (tb0 + i) * MKC + tid
+                m = (tb0 + i) * KT + tid
                 code = -1
                 if m < send:
                     if DEC:
                         code = _decode_key_code(m, p0, W, sel, all_visible, ncap)
                     elif PRE:
-                        code = _hca_key_code(m, t, p0, W, nwc, nct * MKC, ncomp)
+                        code = _pre_key_row(m, t, nwc, nct * KT, ncomp, wrow, sel,
+                                            all_visible, ncap)
                     else:
                         code = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap)
                 kcode[i, tid] = code
         sw = uint64(0)
-        if PRE:  # decoded tile 0 on its way to buffer 0 (a group committed either way)
-            if nct > 0:
-                _copy_tile(smem_u, KT0, keys, 0, tid)
+        if PRE:  # tile 0 on its way to buffer 0 (a group committed either way)
+            cuda.syncthreads()  # (its rows, just written)
+            if ntile > 0:
+                _copy_tile(smem_u, KT0, keys, kcode, 0, zrow, tid)
             _cp_async_commit()
         cuda.syncthreads()
-        if nct == 0:
+        if not PRE:
             sw = _request_tile(wv, win, chunk, comp, kcode, 0, tid)
-            if tid < MKC:
+            if tid < KT:
                 kscl[0, tid] = sw
         cuda.syncthreads()
-        for ti in range(max(0, (send - tb0 * MKC + MKC - 1) // MKC)):
+        for ti in range(max(0, (send - tb0 * KT + KT - 1) // KT)):
             cur, nxt = ti % 3, (ti + 1) % 3
             kb = KT0 + (ti & 1) * KTB if PRE else KT0  # this tile's buffer
-            # 1. this tile into kt: copied (decoded rows, on their way since the last tile)
-            # or decoded here from the packed words in wv
-            if ti >= nct:
+            # 1. this tile into kt: copied (PRE: decoded rows, on their way since the last
+            # tile) or decoded here from the packed words in wv
+            if not PRE:
                 for u in range(NLD):
                     it = tid + u * NT
-                    if it < MKC * NW8:
-                        j = it // MKC
-                        kk = it - j * MKC
+                    if it < KT * NW8:
+                        j = it // KT
+                        kk = it - j * KT
                         x = wv[u] if kcode[cur, kk] >= 0 else uint64(0)
                         lo, hi = uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32))
                         o = kb + kk * LDK
@@ -531,113 +592,135 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
                             d = NOPE + 4 * (j - NF8)
                             smem_u[o + d // 2] = lo
                             smem_u[o + d // 2 + 1] = hi
-            if PRE:
-                if ti + 1 < nct:  # the next decoded tile into the other buffer (tile i-1's)
-                    _copy_tile(smem_u, KT0 + ((ti + 1) & 1) * KTB, keys, (ti + 1) * MKC, tid)
+            if PRE:  # the next tile into the other buffer (tile i-1's)
+                if ti + 1 < ntile:
+                    _copy_tile(smem_u, KT0 + ((ti + 1) & 1) * KTB, keys, kcode, nxt, zrow, tid)
                 _cp_async_commit()
                 _cp_async_wait1()  # this tile's copies have landed (the group before the last)
             cuda.syncthreads()
             # the next tile's words and the codes of the one after, requested now: in flight
             # during this tile's MMAs
-            if ti + 1 >= nct:
+            if not PRE:
                 sw = _request_tile(wv, win, chunk, comp, kcode, nxt, tid)
-            m = (tb0 + ti + 2) * MKC + tid
+            m = (tb0 + ti + 2) * KT + tid
             code2 = -1
-            if tid < MKC and m < send:
+            if tid < KT and m < send:
                 if DEC:
                     code2 = _decode_key_code(m, p0, W, sel, all_visible, ncap)
                 elif PRE:
-                    code2 = _hca_key_code(m, t, p0, W, nwc, nct * MKC, ncomp)
+                    code2 = _pre_key_row(m, t, nwc, nct * KT, ncomp, wrow, sel, all_visible,
+                                         ncap)
                 else:
                     code2 = _key_code(m, t, p0, W, nwc, sel, all_visible, ncap)
-            # 2. this warp's part of the scores: its K/4 dims, 2 n-tiles, hi and lo. One
-            # ldmatrix a k-step: lane 8m + r points at key r + 8(m >> 1), dims + 8(m & 1)
-            for i in range(8):
+            # 2. this warp's part of the scores: its K/4 dims, NS n-tiles, hi and lo. One
+            # ldmatrix a k-step and 16 keys: lane 8m + r points at key r + 8(m >> 1), dims
+            # + 8(m & 1)
+            for i in range(NSH):
                 sh[i] = zero
-                sl[i] = zero
+            if SPLIT:
+                for i in range(NSL):
+                    sl[i] = zero
             lm = lane >> 3
             ks = kb + ((lane & 7) + 8 * (lm >> 1)) * LDK + (K // 8) * wq + 4 * (lm & 1)
             for s in range(SQ):
-                kf = _ldsm_x4(smem_u, ks + 8 * s, xch)
-                for ni in range(2):
-                    b0, b1 = kf[2 * ni], kf[2 * ni + 1]
-                    j = 4 * ni
-                    sh[j], sh[j + 1], sh[j + 2], sh[j + 3] = _mma_bf16(
-                        qh[4 * s], qh[4 * s + 1], qh[4 * s + 2], qh[4 * s + 3], b0, b1,
-                        sh[j], sh[j + 1], sh[j + 2], sh[j + 3], xch)
-                    sl[j], sl[j + 1], sl[j + 2], sl[j + 3] = _mma_bf16(
-                        ql[4 * s], ql[4 * s + 1], ql[4 * s + 2], ql[4 * s + 3], b0, b1,
-                        sl[j], sl[j + 1], sl[j + 2], sl[j + 3], xch)
-            for ni in range(2):
+                for np_ in range(NS // 2):
+                    kf = _ldsm_x4(smem_u, ks + 16 * np_ * LDK + 8 * s, xch)
+                    for e in range(2):
+                        b0, b1 = kf[2 * e], kf[2 * e + 1]
+                        j = 4 * (2 * np_ + e)
+                        sh[j], sh[j + 1], sh[j + 2], sh[j + 3] = _mma_bf16(
+                            qh[4 * s], qh[4 * s + 1], qh[4 * s + 2], qh[4 * s + 3], b0, b1,
+                            sh[j], sh[j + 1], sh[j + 2], sh[j + 3], xch)
+                        if SPLIT:
+                            sl[j], sl[j + 1], sl[j + 2], sl[j + 3] = _mma_bf16(
+                                ql[4 * s], ql[4 * s + 1], ql[4 * s + 2], ql[4 * s + 3], b0,
+                                b1, sl[j], sl[j + 1], sl[j + 2], sl[j + 3], xch)
+                        else:
+                            sh[j], sh[j + 1], sh[j + 2], sh[j + 3] = _mma_bf16(
+                                ql[4 * s], ql[4 * s + 1], ql[4 * s + 2], ql[4 * s + 3], b0,
+                                b1, sh[j], sh[j + 1], sh[j + 2], sh[j + 3], xch)
+            for ni in range(NS):
                 for r in range(4):  # C: (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)
                     row = hr + g + 8 * (r >> 1)
                     key = 8 * ni + 2 * c + (r & 1)
-                    smem_f[SP0 + (wq * HG + row) * (MKC + 1) + key] = sh[4 * ni + r] + \
-                        sl[4 * ni + r]
+                    v = sh[4 * ni + r]
+                    if SPLIT:
+                        v += sl[4 * ni + r]
+                    smem_f[SP0 + (wq * HG + row) * (KT + 1) + key] = v
             cuda.syncthreads()
-            # 3. online softmax: 8 threads per head row, 2 keys each
+            # 3. online softmax: 8 threads per head row, key pairs i, i + 8, .. (KP of them)
             row, i = tid >> 3, tid & 7
-            s0, s1 = zero, zero
-            for qq in range(4):
-                s0 += smem_f[SP0 + (qq * HG + row) * (MKC + 1) + 2 * i]
-                s1 += smem_f[SP0 + (qq * HG + row) * (MKC + 1) + 2 * i + 1]
-            if kcode[cur, 2 * i] < 0:
-                s0 = NEG_INF
-            if kcode[cur, 2 * i + 1] < 0:
-                s1 = NEG_INF
-            mx = max(s0, s1)
+            mx = NEG_INF
+            for u in range(KP):
+                kk = 2 * (i + 8 * u)
+                for e in range(2):
+                    sv = zero
+                    for qq in range(4):
+                        sv += smem_f[SP0 + (qq * HG + row) * (KT + 1) + kk + e]
+                    if kcode[cur, kk + e] < 0:
+                        sv = NEG_INF
+                    ev[2 * u + e] = sv
+                    mx = max(mx, sv)
             mx = max(mx, xor_shfl(mx, 1, shf))
             mx = max(mx, xor_shfl(mx, 2, shf))
             mx = max(mx, xor_shfl(mx, 4, shf))
             m_old = smem_f[M0 + row]
             m_new = max(m_old, mx)
-            e0, e1, alpha = zero, zero, float32(1.0)
-            if m_new > NEG_INF:  # (a row that has seen no key yet keeps alpha = 1)
-                e0 = float32(math.exp(s0 - m_new))  # -inf: 0
-                e1 = float32(math.exp(s1 - m_new))
+            alpha = float32(1.0)
+            ps = zero
+            for u in range(2 * KP):
+                e0 = zero
+                if m_new > NEG_INF:  # (a row that has seen no key yet keeps alpha = 1)
+                    e0 = float32(math.exp(ev[u] - m_new))  # -inf: 0
+                ev[u] = e0
+                ps += e0
+            if m_new > NEG_INF:
                 alpha = float32(math.exp(m_old - m_new))  # first live tile: 0
-            ps = e0 + e1
             ps += xor_shfl(ps, 1, shf)
             ps += xor_shfl(ps, 2, shf)
             ps += xor_shfl(ps, 4, shf)
-            hi, lo = _split_pair(e0, e1)
-            smem_u[PH0 + row * LDP + i] = hi
-            smem_u[PL0 + row * LDP + i] = lo
+            for u in range(KP):
+                hi, lo = _split_pair(ev[2 * u], ev[2 * u + 1])
+                smem_u[PH0 + row * LDP + i + 8 * u] = hi
+                smem_u[PL0 + row * LDP + i + 8 * u] = lo
             if i == 0:
                 smem_f[AL0 + row] = alpha
                 smem_f[M0 + row] = m_new
                 smem_f[L0 + row] = smem_f[L0 + row] * alpha + ps
-            if tid < MKC:  # (tile i-1 was the last reader of both slots)
+            if tid < KT:  # (tile i-1 was the last reader of both slots)
                 kscl[(ti + 1) & 1, tid] = sw
                 kcode[(ti + 2) % 3, tid] = code2
             cuda.syncthreads()
-            # 4. O = alpha·O + P·V over this warp's heads and output dims
+            # 4. O = alpha·O + P·V over this warp's heads and output dims, a k-step per 16 keys
             al0, al1 = smem_f[AL0 + hr + g], smem_f[AL0 + hr + g + 8]
             for ni in range(NI):
                 acc[4 * ni] *= al0
                 acc[4 * ni + 1] *= al0
                 acc[4 * ni + 2] *= al1
                 acc[4 * ni + 3] *= al1
-            pa = PH0 + (hr + g) * LDP + c
-            pb = PL0 + (hr + g) * LDP + c
-            ah0, ah1, ah2, ah3 = smem_u[pa], smem_u[pa + 8 * LDP], smem_u[pa + 4], \
-                smem_u[pa + 8 * LDP + 4]
-            al_0, al_1, al_2, al_3 = smem_u[pb], smem_u[pb + 8 * LDP], smem_u[pb + 4], \
-                smem_u[pb + 8 * LDP + 4]
-            # V = the same key-major tile, transposed by ldmatrix: lane 8m + r points at key
-            # r + 8(m & 1), output dims 8(ni + (m >> 1)) ..; one load, two n-tiles
-            vs = kb + ((lane & 7) + 8 * (lm & 1)) * LDK + (K // 8) * wq + 4 * (lm >> 1)
-            for nj in range(NI // 2):
-                vb = _ldsm_x4_trans(smem_u, vs + 8 * nj, xch)
-                for e in range(2):
-                    b0, b1 = vb[2 * e], vb[2 * e + 1]
-                    j = 8 * nj + 4 * e
-                    acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
-                        ah0, ah1, ah2, ah3, b0, b1, acc[j], acc[j + 1], acc[j + 2], acc[j + 3],
-                        xch)
-                    acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
-                        al_0, al_1, al_2, al_3, b0, b1, acc[j], acc[j + 1], acc[j + 2],
-                        acc[j + 3], xch)
+            for kq in range(KP):
+                pa = PH0 + (hr + g) * LDP + c + 8 * kq
+                pb = PL0 + (hr + g) * LDP + c + 8 * kq
+                ah0, ah1, ah2, ah3 = smem_u[pa], smem_u[pa + 8 * LDP], smem_u[pa + 4], \
+                    smem_u[pa + 8 * LDP + 4]
+                al_0, al_1, al_2, al_3 = smem_u[pb], smem_u[pb + 8 * LDP], smem_u[pb + 4], \
+                    smem_u[pb + 8 * LDP + 4]
+                # V = the same key-major tile, transposed by ldmatrix: lane 8m + r points at
+                # key 16kq + r + 8(m & 1), output dims 8(ni + (m >> 1)) ..; one load, two
+                # n-tiles
+                vs = kb + ((lane & 7) + 8 * (lm & 1) + 16 * kq) * LDK + (K // 8) * wq + \
+                    4 * (lm >> 1)
+                for nj in range(NI // 2):
+                    vb = _ldsm_x4_trans(smem_u, vs + 8 * nj, xch)
+                    for e in range(2):
+                        b0, b1 = vb[2 * e], vb[2 * e + 1]
+                        j = 8 * nj + 4 * e
+                        acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
+                            ah0, ah1, ah2, ah3, b0, b1, acc[j], acc[j + 1], acc[j + 2],
+                            acc[j + 3], xch)
+                        acc[j], acc[j + 1], acc[j + 2], acc[j + 3] = _mma_bf16(
+                            al_0, al_1, al_2, al_3, b0, b1, acc[j], acc[j + 1], acc[j + 2],
+                            acc[j + 3], xch)
             cuda.syncthreads()  # every warp is done with kt and P: the next tile
         for r in range(2):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
             row = hr + g + 8 * r
@@ -666,35 +749,53 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False):
         _attention_prefill_mma.__name__ = "_attention_decode_mma"
     if PRE:
         _attention_prefill_mma.__name__ = "_attention_prefill_mma_decoded"
-    _MMAS[(K, R, MT, DEC, PRE)] = (_attention_prefill_mma, NT, 4 * WORDS)
-    return _MMAS[(K, R, MT, DEC, PRE)]
+    _MMAS[key] = (_attention_prefill_mma, NT, 4 * WORDS)
+    return _MMAS[key]
+
+
+@_inline
+def _decode_row_word(keys, kr, src, sr, j, live, NF8, NW8):
+    """keys[kr] words of packed uint64 word j of src[sr] (NF8 FP8 words, then rope words, the
+    scales in word NW8), or zeros where not ``live``."""
+    x = src[sr, j] if live else uint64(0)
+    lo, hi = uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32))
+    if j < NF8:  # 8 FP8 dims 8j .. 8j+7
+        cs = _block_scale(src[sr, NW8] if live else uint64(0), j)
+        keys[kr, 4 * j], keys[kr, 4 * j + 1] = _fp8x4_pairs(lo, cs)
+        keys[kr, 4 * j + 2], keys[kr, 4 * j + 3] = _fp8x4_pairs(hi, cs)
+    else:  # 4 bf16 rope dims
+        d = 8 * NF8 + 4 * (j - NF8)
+        keys[kr, d // 2] = lo
+        keys[kr, d // 2 + 1] = hi
 
 
 @device.kernel
-def _decode_rows(keys, comp, n_comp):
-    """keys[r] <- packed row r of comp decoded to bf16 pairs, for r < n = min(n_comp[T-1],
-    rows of comp); rows n .. n rounded up to 16 get zeros (a tile's rows past a token's count
-    are masked, and must be finite for P = 0 times them to vanish). One uint64 word a
-    thread, grid-stride; comp as uint64 words [rows, NW8 + 1] (the last word holds the
-    scales), keys uint32 [>= rows rounded up to 16, K/2]."""
+def _decode_rows(keys, comp, n_comp, win, chunk, pos0):
+    """keys <- decode_rows_ref's rows: comp's visible rows and their zeros to ROW_TILE, then the
+    window's W + T + ROW_TILE rows by position. One uint64 word a thread, grid-stride; comp,
+    win, chunk as uint64 words [rows, NW8 + 1] (the last word holds the scales), keys uint32."""
     KH = keys.shape[1]
     NW8 = comp.shape[1] - 1
     NF8 = KH // 2 - NW8  # FP8 words: NW8 = NOPE/8 + R/4 and K = NOPE + R
-    n = max(0, min(int(n_comp[n_comp.shape[0] - 1]), comp.shape[0]))
-    n16 = min((n + 15) // 16 * 16, keys.shape[0])
-    for i in range(cuda.grid(1), n16 * NW8, cuda.gridsize(1)):
+    ncap = comp.shape[0]
+    W, T = win.shape[0], chunk.shape[0]
+    n = max(0, min(int(n_comp[n_comp.shape[0] - 1]), ncap))
+    nz = (n + ROW_TILE - 1) // ROW_TILE * ROW_TILE
+    C = (ncap + ROW_TILE - 1) // ROW_TILE * ROW_TILE
+    p0 = int(pos0[0])
+    for i in range(cuda.grid(1), (nz + W + T + ROW_TILE) * NW8, cuda.gridsize(1)):
         r = i // NW8
         j = i - r * NW8
-        x = comp[r, j] if r < n else uint64(0)
-        lo, hi = uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32))
-        if j < NF8:  # 8 FP8 dims 8j .. 8j+7
-            cs = _block_scale(comp[r, NW8] if r < n else uint64(0), j)
-            keys[r, 4 * j], keys[r, 4 * j + 1] = _fp8x4_pairs(lo, cs)
-            keys[r, 4 * j + 2], keys[r, 4 * j + 3] = _fp8x4_pairs(hi, cs)
-        else:  # 4 bf16 rope dims
-            d = 8 * NF8 + 4 * (j - NF8)
-            keys[r, d // 2] = lo
-            keys[r, d // 2 + 1] = hi
+        if r < nz:
+            _decode_row_word(keys, r, comp, min(r, ncap - 1), j, r < n, NF8, NW8)
+        else:
+            r -= nz  # window row r: position p0 - W + r
+            p = p0 - W + r
+            if r < W:
+                _decode_row_word(keys, C + r, win, max(p, 0) % W, j, p >= 0, NF8, NW8)
+            else:
+                _decode_row_word(keys, C + r, chunk, min(r - W, T - 1), j, r < W + T, NF8,
+                                 NW8)
 
 
 @device.kernel
@@ -715,7 +816,7 @@ def _store_chunk_rows(win, chunk, pos0):
 # ---- launchers --------------------------------------------------------------------------------
 def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_comp_visible,
                       all_visible: int, pos0, sinks, scale: float, stream=0, threads=None,
-                      naive: bool = False, mma=None, keys=None) -> None:
+                      naive: bool = False, mma=None, keys=None, key_tile=None) -> None:
     """out[T, H, K] f32 <- chunked-prefill sink attention of q[T, H, K] (see the module doc):
     window_packed[W, bytes] the ring before the chunk, chunk_packed[T, bytes] the chunk's own
     entries, comp_packed[Ncap, bytes]; sel[T, S] int32 (CSA; -1 = none; S = 1 of -1 for
@@ -724,9 +825,12 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
 
     ``mma`` True / False / None (pick): the tensor-core kernel, by default on a GPU; the
     simulator's engine keeps the tile kernel (``mma=True`` forces it, for its tests).
-    ``keys``: a uint32 workspace [>= comp rows rounded up to 16, K/2] for HCA on the tensor
-    cores: comp's visible rows are decoded into it once (``_decode_rows``), and every block
-    copies whole tiles of them (cp.async) instead of decoding each entry again per token."""
+    ``keys``: a uint32 workspace [>= key_rows(Ncap, W, T), K/2] for the tensor cores: comp's
+    visible rows and the window's keys by position are decoded into it once (``decode_rows``),
+    and every block copies its keys' rows (cp.async) instead of decoding each entry again per
+    token.
+    ``key_tile``: key slots a tile of the tensor-core kernel (16, 32 or 64; by default
+    KEY_TILE_PRE with ``keys``, else KEY_TILE)."""
     T, H, K = q.shape
     if T == 0:
         return
@@ -739,16 +843,19 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
         return
     if (not device.SIMULATOR) if mma is None else mma:
         mt = 1 if H <= 16 else MAX_MT
-        pre = keys is not None and bool(all_visible)
-        kern, nt, smem = _mma_kernel(K, R, mt, PRE=pre)
+        pre = keys is not None
+        kt = key_tile or (KEY_TILE_PRE if pre else KEY_TILE)
+        kern, nt, smem = _mma_kernel(K, R, mt, PRE=pre, KT=kt)
         words = tuple(a.view(np.uint64) for a in args)
         kd = _no_keys(K)
         if pre:
             if keys.shape[1] != K // 2:
                 raise ValueError(f"attention_prefill: keys {keys.shape}, need {K // 2} columns")
-            decode_rows(keys, comp_packed, n_comp_visible, stream)
+            decode_rows(keys, comp_packed, n_comp_visible, window_packed, chunk_packed, pos0,
+                        stream)
             kd = keys
-        kern[(T, cdiv(H, 16 * mt)), nt, stream, smem](out, q, *words, kd, *rest)
+        device.launch_shared(kern, (T, cdiv(H, 16 * mt)), nt, stream, smem, out, q, *words, kd,
+                             *rest)
         return
     # a block of NT threads owns NT/32·HPW heads; small H: no idle warps
     nt = threads or min(256, cdiv(H, HPW) * 32)
@@ -757,17 +864,20 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     kern[(T, cdiv(H, nt // 32 * HPW)), nt, stream, smem](out, q, *words, *rest)
 
 
-def decode_rows(keys, comp_packed, n_comp_visible, stream=0) -> None:
-    """keys[r] <- comp_packed[r] as bf16 pairs for the rows the last token of the chunk sees
-    (decode_rows_ref; device arrays, keys uint32 [>= rows rounded up to 16, K/2])."""
-    ncap = comp_packed.shape[0]
+def decode_rows(keys, comp_packed, n_comp_visible, window_packed, chunk_packed, pos0,
+                stream=0) -> None:
+    """keys <- the compressed rows the last token of the chunk sees and the window's keys by
+    position, as bf16 pairs (decode_rows_ref; device arrays, keys uint32
+    [>= key_rows(Ncap, W, T), K/2])."""
+    ncap, W, T = comp_packed.shape[0], window_packed.shape[0], chunk_packed.shape[0]
     rope_dim_of(2 * keys.shape[1], comp_packed.shape[1])  # (raises unless keys' K fits)
-    if keys.shape[0] < cdiv(ncap, 16) * 16:
-        raise ValueError(f"attention_prefill: keys {keys.shape}, need at least "
-                         f"{cdiv(ncap, 16) * 16} rows")
-    comp = comp_packed.view(np.uint64)
-    _decode_rows[min(cdiv(ncap * (comp.shape[1] - 1), 256), 1024), 256, stream](
-        keys, comp, n_comp_visible)
+    need = key_rows(ncap, W, T)
+    if keys.shape[0] < need:
+        raise ValueError(f"attention_prefill: keys {keys.shape}, need at least {need} rows")
+    comp, win, chunk = (a.view(np.uint64) for a in (comp_packed, window_packed, chunk_packed))
+    words = need * (comp.shape[1] - 1)  # (an upper bound: the grid strides)
+    _decode_rows[min(cdiv(words, 256), 1024), 256, stream](keys, comp, n_comp_visible, win,
+                                                            chunk, pos0)
 
 
 _NO_KEYS: list = []
@@ -805,10 +915,11 @@ PTX_SIGNATURES = [
     (_mma_kernel(512, 64, MAX_MT, DEC=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
                                                 f"uint64[:, ::1], uint64[:, ::1], "
                                                 f"uint32[:, ::1], {_TAIL})"),
-    (_mma_kernel(512, 64, MAX_MT, PRE=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
-                                                f"uint64[:, ::1], uint64[:, ::1], "
-                                                f"uint32[:, ::1], {_TAIL})"),
-    (_decode_rows, "void(uint32[:, ::1], uint64[:, ::1], int32[::1])"),
+    (_mma_kernel(512, 64, MAX_MT, PRE=True, KT=KEY_TILE_PRE)[0],
+     f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], uint64[:, ::1], uint32[:, ::1], "
+     f"{_TAIL})"),
+    (_decode_rows, "void(uint32[:, ::1], uint64[:, ::1], int32[::1], uint64[:, ::1], "
+                   "uint64[:, ::1], int32[::1])"),
     (_store_chunk_rows, "void(uint32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 
@@ -846,8 +957,8 @@ def bench_cases(stream) -> list[BenchCase]:
         nbytes = (W + T + rows) * B + 2 * out.nbytes + (0 if hca else sel.nbytes)
         runs = [(False, None), (True, None)]
         if hca:  # and with the rows decoded once, as the engine runs it
-            runs.append((True, cuda.device_array((cdiv(ncap, 16) * 16, K // 2), np.uint32,
-                                                 stream=stream)))
+            runs.append((True, cuda.device_array((key_rows(ncap, W, T), K // 2),
+                                                 np.uint32, stream=stream)))
         for mma, kd in runs:
             def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd):
                 attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"],

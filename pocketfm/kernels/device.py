@@ -249,6 +249,31 @@ def resident_blocks(kern, args, threads: int, smem: int = 0, simulated: int = 4)
     return _RESIDENT[key]
 
 
+SHARED_DEFAULT = 48 * 1024  # dynamic shared bytes a launch may ask for without opting in
+_SHARED_ALLOWED: dict = {}  # id of a loaded kernel -> the dynamic shared bytes it may take
+
+
+def launch_shared(kern, grid, threads: int, stream, smem: int, *args) -> None:
+    """``kern[grid, threads, stream, smem](*args)``, the kernel first allowed ``smem`` bytes of
+    dynamic shared memory where that is over 48 KiB: numba-cuda does not opt in, and such a
+    launch fails with CUDA_ERROR_INVALID_VALUE (gpu_notes.md). The attribute is set once per
+    loaded kernel, from a pre-launch callback (numba compiles for the arguments first)."""
+    config = kern[grid, threads, stream, smem]
+    if smem > SHARED_DEFAULT and not SIMULATOR:
+        config.pre_launch_callbacks.append(_allow_shared)
+    config(*args)
+
+
+def _allow_shared(kernel, config) -> None:
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    fn = kernel._codelibrary.get_cufunc()
+    if _SHARED_ALLOWED.get(id(fn), 0) < config.sharedmem:
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, config.sharedmem, fn.handle, fn.device.id)
+        _SHARED_ALLOWED[id(fn)] = config.sharedmem
+
+
 def gpu_available() -> bool:
     """True on a real CUDA device (never in the simulator)."""
     return not SIMULATOR and cuda.is_available()

@@ -46,14 +46,15 @@ def inputs(rng, pos0, T, W, H):
                 sinks=rng.normal(size=H).astype(np.float32))
 
 
-def nan_keys(rows, k):
-    """A decoded-keys workspace of NaN bf16 pairs: rows the kernels may not use stay NaN."""
-    return cuda.to_device(np.full((-(-rows // 16) * 16, k // 2), 0x7FC07FC0, np.uint32))
+def nan_keys(ncap, w, t, k):
+    """A decoded-keys workspace of NaN bf16 pairs (for ncap compressed rows, w window slots, a
+    t-token chunk): rows the kernels may not use stay NaN."""
+    return cuda.to_device(np.full((ap.key_rows(ncap, w, t), k // 2), 0x7FC07FC0, np.uint32))
 
 
 def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False):
     """(kernel output, float64 reference) for inputs ``x`` and the selection / counts
-    (``keys``: HCA's rows decoded once into a workspace first)."""
+    (``keys``: the compressed rows and the window decoded once into a workspace first)."""
     T, H, _ = x["q"].shape
     scale = 1 / math.sqrt(K)
     ref = np.empty((T, H, K))
@@ -63,7 +64,7 @@ def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False):
     out = poisoned((T, H, K))
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
                          d["pos0"], d["sinks"], scale, threads=threads, naive=naive, mma=mma,
-                         keys=nan_keys(NCAP, K) if keys else None)
+                         keys=nan_keys(NCAP, len(x["win"]), T, K) if keys else None)
     return out.copy_to_host(), ref
 
 
@@ -127,7 +128,7 @@ def cases(positions, mma_positions):
             + [("mma", *p) for p in mma_positions])
 
 
-@pytest.mark.parametrize("kernel,pos0,T,W", cases(POSITIONS, [(9, 3, 4), (21, 3, 16)]))
+@pytest.mark.parametrize("kernel,pos0,T,W", cases(POSITIONS, [(9, 3, 4)]))
 def test_attention_prefill_csa(kernel, pos0, T, W):
     """CSA: -1 padding and holes; S = 24 > KC - W, so some tiles are all holes (skipped)."""
     rng = fresh_rng()
@@ -151,10 +152,10 @@ def test_attention_prefill_hca(kernel, pos0, T, W):
 
 @pytest.mark.parametrize("pos0,T,W", [(0, 2, 4), (32, 3, 4)])
 def test_attention_prefill_hca_decoded_keys(pos0, T, W):
-    """HCA on the tensor cores with the compressed rows decoded once (``keys``): whole tiles of
-    rows first, then the window. pos0 = 32: 16 visible rows (one full tile), then 17 (a
-    second tile with one row: the workspace's other rows must be zeroed, not left NaN);
-    pos0 = 0: tokens with no compressed row at all."""
+    """HCA on the tensor cores with the compressed rows and the window decoded once (``keys``,
+    as the engine runs it): whole tiles of rows first, then the window's tile. pos0 = 32: 16
+    visible rows, then 17, in one 32-key tile with masked rows (the workspace's rows past the
+    count must be zeroed, not left NaN); pos0 = 0: tokens with no compressed row at all."""
     rng = fresh_rng()
     x = inputs(rng, pos0, T, W, 4)
     nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
@@ -163,33 +164,77 @@ def test_attention_prefill_hca_decoded_keys(pos0, T, W):
     assert rel_err(out, ref) <= 1e-4
 
 
-@pytest.mark.parametrize("last", [0, 17, NCAP + 5])
-def test_decode_rows(last):
-    """The HCA rows decoded once, against the reference: rows below the last token's count
-    (clamped to the pool), zeros up to the next 16, the rest of the workspace untouched."""
+@pytest.mark.parametrize("pos0,T,W,S", [(9, 3, 4, 24), (21, 2, 16, 40)])
+def test_attention_prefill_csa_decoded_keys(pos0, T, W, S):
+    """CSA on the tensor cores with the compressed rows and the window decoded once (``keys``,
+    as the engine runs it): each token's selected rows gathered by cp.async (holes and -1
+    padding read a zero row), then its window; S = 40: two 32-key tiles of selected slots."""
     rng = fresh_rng()
-    comp = random_packed_kv(rng, NCAP, K, R)
+    x = inputs(rng, pos0, T, W, 4)
+    sel = csa_sel(rng, T, S)
+    nvis = np.full(T, 123456, np.int32)  # garbage: every row of the pool decoded (clamped)
+    out, ref = run(x, sel, nvis, 0, False, mma=True, keys=True)
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_attention_prefill_window_only_decoded_keys():
+    """A window-only layer (S = 1 of -1, no compressed rows) through the same build."""
+    rng = fresh_rng()
+    pos0, T, W = 13, 2, 4
+    x = inputs(rng, pos0, T, W, 3)
+    out, ref = run(x, np.full((T, 1), -1, np.int32), np.zeros(T, np.int32), 0, False, mma=True,
+                   keys=True)
+    assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("last,pos0,T,W", [(0, 0, 3, 4), (17, 2, 3, 4), (NCAP + 5, 9, 6, 4)])
+def test_decode_rows(last, pos0, T, W):
+    """HCA's rows decoded once, against the reference: rows below the last token's count
+    (clamped to the pool), zeros up to the next ROW_TILE; then the window's keys by position
+    (zeros before position 0, the ring's wrapped entries, the chunk's, zeros after); the rest
+    of the workspace untouched."""
+    rng = fresh_rng()
+    x = inputs(rng, pos0, T, W, 1)
     nvis = np.array([0, last], np.int32)
-    ref = np.full((48, K // 2), 0x7FC07FC0, np.uint32)
-    ap.decode_rows_ref(ref, comp, nvis)
-    keys = nan_keys(NCAP, K)
-    ap.decode_rows(keys, cuda.to_device(comp), cuda.to_device(nvis))
+    shape = (ap.key_rows(NCAP, W, T), K // 2)
+    ref = np.full(shape, 0x7FC07FC0, np.uint32)
+    ap.decode_rows_ref(ref, x["comp"], nvis, x["win"], x["chunk"], x["pos0"])
+    keys = nan_keys(NCAP, W, T, K)
+    ap.decode_rows(keys, cuda.to_device(x["comp"]), cuda.to_device(nvis),
+                   cuda.to_device(x["win"]), cuda.to_device(x["chunk"]),
+                   cuda.to_device(x["pos0"]))
     assert np.array_equal(keys.copy_to_host(), ref)
-    n = min(last, NCAP)  # and the reference's rows are the unpacked entries' bf16 bits
-    want = unpack(comp[:n]).view(np.uint32) >> np.uint32(16)
-    assert np.array_equal(ref[:n] & np.uint32(0xFFFF), want[:, 0::2])
-    assert np.array_equal(ref[:n] >> np.uint32(16), want[:, 1::2])
+
+    def halves(rows, packed):  # the reference's rows are the unpacked entries' bf16 bits
+        want = unpack(packed).view(np.uint32) >> np.uint32(16)
+        return (np.array_equal(rows & np.uint32(0xFFFF), want[:, 0::2])
+                and np.array_equal(rows >> np.uint32(16), want[:, 1::2]))
+    n = min(last, NCAP)
+    assert halves(ref[:n], x["comp"][:n])
+    C = -(-NCAP // ap.ROW_TILE) * ap.ROW_TILE
+    nz = -(-n // ap.ROW_TILE) * ap.ROW_TILE
+    assert not ref[n:nz].any() and (ref[nz:C] == 0x7FC07FC0).all()
+    assert not ref[C + W + T:C + W + T + ap.ROW_TILE].any()
+    for r in range(W):  # row C + r: position pos0 - W + r
+        p = pos0 - W + r
+        assert halves(ref[C + r:C + r + 1], x["win"][[p % W]]) if p >= 0 else \
+            not ref[C + r].any()
+    assert halves(ref[C + W:C + W + T], x["chunk"])
+    assert (ref[C + W + T + ap.ROW_TILE:] == 0x7FC07FC0).all()
 
 
 def test_decode_rows_rejects_a_short_workspace():
     rng = fresh_rng()
-    comp = cuda.to_device(random_packed_kv(rng, NCAP, K, R))
-    short = cuda.to_device(np.zeros((NCAP, K // 2), np.uint32))  # 40 rows: 48 needed
-    with pytest.raises(ValueError, match=r"keys \(40, 64\), need at least 48 rows"):
-        ap.decode_rows(short, comp, cuda.to_device(np.array([3], np.int32)))
-    wide = cuda.to_device(np.zeros((48, K), np.uint32))  # K columns: no entry layout fits
+    x = {n: cuda.to_device(v) for n, v in inputs(rng, 3, 2, 4, 1).items()}
+    need = ap.key_rows(NCAP, 4, 2)
+    short = cuda.to_device(np.zeros((need - 1, K // 2), np.uint32))
+    with pytest.raises(ValueError, match=rf"keys \({need - 1}, 64\), need at least {need} rows"):
+        ap.decode_rows(short, x["comp"], cuda.to_device(np.array([3], np.int32)), x["win"],
+                       x["chunk"], x["pos0"])
+    wide = cuda.to_device(np.zeros((need, K), np.uint32))  # K columns: no entry layout fits
     with pytest.raises(ValueError, match="no KV entry layout"):
-        ap.decode_rows(wide, comp, cuda.to_device(np.array([3], np.int32)))
+        ap.decode_rows(wide, x["comp"], cuda.to_device(np.array([3], np.int32)), x["win"],
+                       x["chunk"], x["pos0"])
 
 
 @pytest.mark.parametrize("kernel", ["naive", "tiles"])
@@ -279,5 +324,5 @@ def test_attention_prefill_v4_shapes(hca, mma, keys):
     out = poisoned((T, H, K4))
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
                          d["pos0"], d["sinks"], 1 / math.sqrt(K4), mma=mma,
-                         keys=nan_keys(ncap, K4) if keys else None)
+                         keys=nan_keys(ncap, W4, T, K4) if keys else None)
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
