@@ -327,10 +327,10 @@ def _tile_kernel(K: int, R: int, NT: int):
 # ---- tensor-core kernel: S = Q·Kᵀ and O += P·V as MMAs, one block per (token, 16·MT heads) ----
 MKC = 16  # key slots per tile of the decode form (attention.py plans its splits in these)
 KT_MAX = 64  # the prefill's tiles: up to 4 k-steps of P·V per pass of the softmax
-# the prefill's tiles by default: HCA's (``PRE``: every tile copied, no packed words held in
-# registers) 32 keys, CSA's (decoded in the kernel) 16 (at 32, 404 bytes of spills)
+# the prefill's tiles by default: with ``keys`` (PRE: every tile copied, no packed words held
+# in registers) 32 keys; keys decoded in the kernel 16 (at 32, 404 bytes of spills)
 KEY_TILE_PRE, KEY_TILE = 32, 16
-ROW_TILE = KT_MAX  # decoded HCA rows are zeroed up to a multiple of this (whole tiles)
+ROW_TILE = KT_MAX  # decoded compressed rows are zeroed up to a multiple of this (whole tiles)
 MAX_MT = 2  # m-tiles (16 heads each) per block: 4 warps each
 MXCH = 32 * 4 * MAX_MT * 6 if device.SIMULATOR else 1  # simulator MMA exchange (mma.py)
 MSHF = 32 * 4 * MAX_MT if device.SIMULATOR else 1  # simulator lane exchange
@@ -402,11 +402,11 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
     dim K, R rope dims, MT m-tiles of 16 heads a block and KT key slots a tile (closure
     constants: literal offsets, register arrays of fixed size). ``DEC``: the decode form
     (attention_decode_mma, 16-key tiles): one token, its key list split over blockIdx.x,
-    partials out. ``PRE``: HCA with its compressed rows
-    decoded once (``keys``): each token's list starts with them in whole tiles, which arrive
-    by cp.async into two alternating buffers (the next one in flight during this one's MMAs),
-    then the window, decoded in the kernel as usual. (A separate build: the branches and the
-    second buffer made the other forms ~15% slower.)"""
+    partials out. ``PRE``: every key a row of the decoded workspace (``keys``, decode_rows_ref's
+    layout): a token's compressed slots in whole tiles, then its window, each tile's rows
+    copied by cp.async into one of two buffers (the next one in flight during this one's
+    MMAs). (A separate build: the branches and the second buffer made the other forms ~15%
+    slower.)"""
     key = (K, R, MT, DEC, PRE, KT)
     if key in _MMAS:
         return _MMAS[key]
@@ -955,10 +955,10 @@ def bench_cases(stream) -> list[BenchCase]:
         keys = int((np.minimum(p0 + np.arange(T), W - 1) + 1 + ncomp).sum())
         rows = ncap if hca else len(np.unique(sel))  # each distinct entry read once, ideally
         nbytes = (W + T + rows) * B + 2 * out.nbytes + (0 if hca else sel.nbytes)
-        runs = [(False, None), (True, None)]
-        if hca:  # and with the rows decoded once, as the engine runs it
-            runs.append((True, cuda.device_array((key_rows(ncap, W, T), K // 2),
-                                                 np.uint32, stream=stream)))
+        # and with the keys decoded once into a workspace, as the engine runs both modes
+        runs = [(False, None), (True, None),
+                (True, cuda.device_array((key_rows(ncap, W, T), K // 2), np.uint32,
+                                         stream=stream))]
         for mma, kd in runs:
             def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd):
                 attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"],
