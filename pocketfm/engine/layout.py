@@ -338,7 +338,8 @@ def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
     - q until the attention reads it; o_groups (o regrouped for the output projection) until
       that GEMM; y (its output, token-major) until out_b; then in the MoE gate_up until the
       SwiGLU (or hmma's preparation of the down's x) has read it; then down.
-    - o until it is regrouped; x_rep (the MoE's input per routed row) until the gate|up GEMM;
+    - idx_keys (the indexer's keys decoded for the chunk tiles kernel, uint32 bf16 pairs)
+      until the last scoring pass; o until it is regrouped; x_rep (the MoE's input per routed row) until the gate|up GEMM;
       then h (the SwiGLU's output, read by the down GEMM); then the shared expert's gate_up
       (on hmma.py's path, which writes no x_rep or h, before the routed GEMMs: it reads the
       same prepared x).
@@ -354,13 +355,16 @@ def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
     Tk, D, F = T * cfg.n_experts_used, cfg.dim, cfg.moe_dim
     HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.o_rank
     from ..kernels.attention_prefill import key_rows
+    from ..kernels.indexer_mma import key_ws_rows
     ratios = compressed_ratios(cfg)  # (every layer's compressed rows fit the smallest ratio's)
     attn_keys_rows = key_rows(max(1, capacity // min(ratios, default=capacity)), cfg.window, T)
     return {"q|o_groups|y|gate_up|down": {"q": (T, H, K), "o_groups": (G, T, H // G * K),
                                           "y": (T, G, R), "gate_up": (Tk, 2 * F),
                                           "down": (Tk, D)},
-            "o|x_rep|h|sh_gate_up": {"o": (T, H, K), "x_rep": (Tk, D), "h": (Tk, F),
-                                     "sh_gate_up": (T, 2 * F)},
+            "o|idx_keys|x_rep|h|sh_gate_up": {"o": (T, H, K),
+                                              "idx_keys": (key_ws_rows(capacity // 4), DI // 2),
+                                              "x_rep": (Tk, D), "h": (Tk, F),
+                                              "sh_gate_up": (T, 2 * F)},
             "qi|scores|attn_keys|y_groups": {"qi": (T, HI, DI),
                                              "scores": (prefill_scores_floats(capacity, T),),
                                              "attn_keys": (attn_keys_rows, K // 2),

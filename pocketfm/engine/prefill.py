@@ -39,7 +39,8 @@ from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_chunk
 from ..kernels.embed_sample import embed
 from ..kernels.gemv import DECODE_MAX_TOKENS, gemv
 from ..kernels.hc import hc_post, hc_pre
-from ..kernels.indexer import indexer_scores_chunk, topk_chunk
+from ..kernels.indexer import indexer_scores_chunk, takes_decoded_keys, topk_chunk
+from ..kernels.indexer_mma import decode_keys
 from ..kernels import hmma
 from ..kernels.mma import expert_order, gemm_mma, supports
 from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
@@ -75,6 +76,7 @@ class ChunkPrefill:
             for view, shape in views.items():
                 setattr(self, view, b[name][:int(np.prod(shape))].reshape(shape))
         self.attn_keys = self.attn_keys.view(np.uint32)  # (bf16 pairs in a float32 buffer)
+        self.idx_keys = self.idx_keys.view(np.uint32)
         self.X = (b["X.0"], b["X.1"])
         self.comp_in = {w: (b[f"comp_in.{w}.0"], b[f"comp_in.{w}.1"])
                         for w in compressor_widths(cfg)}
@@ -249,9 +251,11 @@ class ChunkPrefill:
         HI, DI = cfg.index_heads, cfg.index_dim
         ia, ig = (x[:T] for x in self.idx_in)  # (its GEMMs on u ran with the attention's)
         keys = eng.keys_of(i)  # (KV swap, a non-target layer: its rows of the host key pool)
-        # host-pool keys keep the register tiles (each key read once per block over the bus,
-        # not once per warp); device keys: the launcher's choice (tensor cores on a GPU)
-        use_mma = False if c.index_keys is None else None
+        # on a GPU the keys are decoded once (for every scoring pass, host-pool keys read once
+        # over the bus); else host-pool keys keep the register tiles (each key read once per
+        # block, not once per warp) and device keys take the launcher's choice
+        decoded = takes_decoded_keys(HI, DI)
+        use_mma = None if decoded or c.index_keys is not None else False
         compressor_chunk(c.index_kv, c.index_score, ia, ig, L.idx_ape, self.pos0, c.ratio, True,
                          L.idx_norm, L.freqs, cfg.rms_eps, MODE_INDEX_FP4, None, keys,
                          scratch=self.idx_scratch, stream=s, threads=nt)
@@ -261,6 +265,7 @@ class ChunkPrefill:
         hadamard_fp4(qi_rot, qi, True, stream=s, threads=nt, **sim)
         sk.scale(w, index_weight_scale(cfg), s)
         n_keys = max(1, self.end // c.ratio)  # entries visible to the chunk's last token
+        key_ws = decode_keys(self.idx_keys, keys, n_keys, s) if decoded else None
         rows = max(1, min(T, self.scores.shape[0] // n_keys))
         visible, sel = self.visible[c.ratio], self.sel[:T]
         # q_fp4: hadamard_fp4(..., True) left qi_rot on the FP4 grid (exact in bf16)
@@ -268,7 +273,8 @@ class ChunkPrefill:
             t1 = min(T, t0 + rows)
             scores = self.scores[:(t1 - t0) * n_keys].reshape(t1 - t0, n_keys)
             indexer_scores_chunk(scores, qi_rot[t0:t1], w[t0:t1], keys, visible[t0:t1],
-                                 stream=s, threads=nt, mma=use_mma, q_fp4=True)
+                                 stream=s, threads=nt, mma=use_mma, q_fp4=True,
+                                 key_ws=key_ws)
             topk_chunk(sel[t0:t1], scores, visible[t0:t1], cfg.index_topk, stream=s,
                        threads=nt)
         sk.sort_selected(sel, s)  # a repeatable order for the attention's sums

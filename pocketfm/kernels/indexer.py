@@ -290,16 +290,25 @@ def _use_mma(mma, naive: bool, HI: int, DI: int) -> bool:
     return bool(mma)
 
 
+def takes_decoded_keys(HI: int, DI: int, mma=None) -> bool:
+    """Whether indexer_scores_chunk(..., mma, q_fp4=True) reads keys decoded by
+    indexer_mma.decode_keys (``key_ws``) rather than the packed ones."""
+    return _use_mma(mma, False, HI, DI) and indexer_mma.fits_tiles(HI, DI)
+
+
 def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=None,
-                         naive: bool = False, mma=None, q_fp4: bool = False) -> None:
+                         naive: bool = False, mma=None, q_fp4: bool = False,
+                         key_ws=None) -> None:
     """out[T, N] f32 <- q[T, HI, DI] f32, w[T, HI] f32, keys_packed[Ncap, bytes] uint8,
     n_visible[T] int32 (prefill: one visible count per token; -inf past it). ``naive`` /
     ``mma`` (True / False / None: pick) choose the kernel; ``q_fp4``: q is on the FP4 grid
-    (hadamard_fp4's output), which lets the tensor cores take several tokens a block."""
+    (hadamard_fp4's output), which lets the tensor cores take several tokens a block over
+    ``key_ws``, keys_packed decoded once (indexer_mma.decode_keys; None: decoded here)."""
     T, HI, DI = q.shape
     N = out.shape[1]
     if _use_mma(mma, naive, HI, DI):
-        indexer_mma.indexer_scores_chunk_mma(out, q, w, keys_packed, n_visible, stream, q_fp4)
+        indexer_mma.indexer_scores_chunk_mma(out, q, w, keys_packed, n_visible, stream, q_fp4,
+                                             key_ws)
         return
     if naive:
         nt = threads or 128
@@ -829,13 +838,21 @@ def bench_cases(stream) -> list[BenchCase]:
     w = cuda.to_device((rng.normal(size=(T, HI)) / 90.51).astype(np.float32), stream=stream)
     nv = cuda.to_device(np.arange(N - T + 1, N + 1, dtype=np.int32), stream=stream)
     scores = cuda.device_array((T, N), np.float32, stream=stream)
+    ws = cuda.device_array((indexer_mma.key_ws_rows(N), DI // 2), np.uint32, stream=stream)
+    key_ws = indexer_mma.decode_keys(ws, keys, N, stream)  # (the prefill: once a layer)
     for mma, tiles in ((False, False), (True, False), (True, True)):
         def chunk(scores=scores, q=q, w=w, nv=nv, mma=mma, tiles=tiles):
-            indexer_scores_chunk(scores, q, w, keys, nv, stream=stream, mma=mma, q_fp4=tiles)
-        kind = "tensor-core tiles" if tiles else _KIND[mma]
+            indexer_scores_chunk(scores, q, w, keys, nv, stream=stream, mma=mma, q_fp4=tiles,
+                                 key_ws=key_ws)
+        kind = "tensor-core tiles (keys decoded)" if tiles else _KIND[mma]
         cases.append(BenchCase("indexer", f"indexer_scores_chunk {kind} T={T} N={N}", chunk,
                                keys.nbytes + q.nbytes + w.nbytes + scores.nbytes,
                                flops=2 * T * N * HI * (DI + 1)))
+
+    def decode(ws=ws, keys=keys):
+        indexer_mma.decode_keys(ws, keys, N, stream)
+    cases.append(BenchCase("indexer", f"decode_keys N={N} (FP4 -> bf16 rows)", decode,
+                           keys.nbytes + ws.nbytes, flops=0))
     T = 512  # a prefill chunk ending the context: token t sees N - (T-1-t) entries
     for N in (262_144, 65_536):
         nv_host = np.arange(N - T + 1, N + 1, dtype=np.int32)

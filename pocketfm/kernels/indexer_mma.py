@@ -27,26 +27,34 @@ Chunk tiles (``indexer_scores_chunk_mma(q_fp4=True)``, the prefill's form). The 
 blocks above decode every key once per warp for 16 heads, and their time is that decode, the
 per-block scale epilogue and their latency (~50 TFLOP/s), not the MMAs. When q is on the FP4
 grid (the model's q always is: hadamard_fp4 output) hi is exact and lo zero, so a block of 8
-warps takes TB = 8 / (HI / 32) tokens: warp w owns token w // (HI / 32) and 32 of its heads
-(two m-tiles: every B fragment feeds two MMAs). Per step of 32 keys the block decodes the keys
-ONCE into shared memory, in fragment order (one 8-byte word per lane, k-step and 8-key
-n-tile), as bf16 with the key's scale folded into the exponent (FP4 times a power of two is
-exact in bf16), so the 8 k-steps accumulate straight in the MMAs' float32 C with no per-block
-epilogue. One (key, k-step) pair per thread: a byte -> (bf16 pair, nonzero halves) table; the
-scale enters as one integer multiply-add on the pair's exponent fields. The next step's key
-words are loaded before this step's MMAs; keys and partial sums are double-buffered, so a
-step takes one barrier. Summation order differs from the per-token kernel (float32 sums).
+warps takes TB = 8 / (HI / 32) tokens: warp w owns token w // (HI / 32) and 32 of its heads.
+The keys are decoded ONCE a chunk (``decode_keys``: bf16 with the 32-block's scale folded
+into the exponent, exact; 256 bytes a key) instead of once a block, so a block step is a
+copy: cp.async moves the next 64 keys' rows into shared memory while the MMAs run on this
+step's (double-buffered, one barrier a step). Keys are the A operand (ldmatrix.x4 of a 16-key
+m-tile's k-step, rows padded so its 8 rows fall on distinct banks), q the B operand (four
+8-head n-tiles, DI / 2 registers held for the launch): each A fragment feeds 4 MMAs and the
+8 k-steps accumulate in the MMAs' float32 C; a lane's C holds 2 keys x 2 heads of each
+n-tile, so the ReLU-weighted head sum is 8 heads in registers and then 2 shuffles (over c),
+and the two warps of a token meet in shared memory. Summation order differs from the
+per-token kernel (float32 sums). H200 (2026-12-04, 1,016 tokens x 66,048 keys): the former
+in-block decode ran at 182 TFLOP/s with 12 instructions an MMA (the table decode and the
+index arithmetic around 32 shared loads a step); see BENCHMARKS.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32
 
+from . import kvpack
 from .device import SIMULATOR, cdiv, kernel, resident_blocks, xor_shfl
 from .gemv import _bits_f32
-from .mma import _mma_bf16, _split_pair
+from .lowbit_layout import _f32_bits
+from .mma import (_cp_async16, _cp_async_commit, _cp_async_wait0, _ldsm_x4, _mma_bf16,
+                  _split_pair)
 
 GROUPS = 4  # 8-key MMA groups per block step (their key loads are issued together)
 STEP_KEYS = 8 * GROUPS
@@ -197,30 +205,78 @@ def _kernels(DI: int):
     return _KERNELS[DI]
 
 
-# ---- chunk tiles: several tokens a block, keys decoded once into shared memory ---------------
+# ---- chunk tiles: several tokens a block over a once-decoded bf16 copy of the keys ------------
 TILE_WARPS = 8
-TILE_KEYS = 32  # keys per block step: 4 n-tiles of 8 for every warp
-TILE_NT = TILE_KEYS // 8
+TILE_KEYS = 64  # keys per block step: 4 m-tiles of 16; one combined score a thread at HI = 64
 TILE_REGS = 128  # two blocks of 8 warps an SM
+PAD_WORDS = 4  # shared row padding: the 8 rows of an ldmatrix matrix on distinct banks
+
+
+class DecodedKeys(NamedTuple):
+    """The chunk tiles kernel's keys: ``rows`` [key_ws_rows(n), DI/2] uint32 bf16 pairs (dim
+    2i in the low half), keys j < n decoded, zeros after (decode_keys)."""
+    rows: object
+    n: int
 
 
 def fits_tiles(HI: int, DI: int) -> bool:
     """Whether the chunk tiles kernel takes this geometry (32-head warps, at most 8 a token;
-    q's fragments, DI / 2 registers, held for the whole launch)."""
-    return HI % 32 == 0 and 32 <= HI <= 32 * TILE_WARPS and DI % 32 == 0 and DI <= 128
+    q's fragments, DI / 2 registers, held for the whole launch; a key row of DI / 8 16-byte
+    pieces, a power of two, so the block's threads copy whole rows a pass)."""
+    return HI % 32 == 0 and 32 <= HI <= 32 * TILE_WARPS and DI in (32, 64, 128)
+
+
+def key_ws_rows(n: int) -> int:
+    """Rows of the decoded keys for n keys: whole block steps (a step copies all its rows)."""
+    return cdiv(max(int(n), 1), TILE_KEYS) * TILE_KEYS
+
+
+def decode_keys_ref(ws, keys_packed, n: int) -> None:
+    """ws[:key_ws_rows(n)] uint32 [rows, DI/2] <- the first n packed FP4 keys as bf16 pairs
+    (exact: an e2m1 value times a power of two), zero rows from n on."""
+    rows, DI = key_ws_rows(n), 2 * ws.shape[1]
+    keys = np.zeros((rows, DI), np.float32)
+    kvpack.unpack_index_key_ref(keys[:n], keys_packed[:n])
+    bits = keys.view(np.uint32) >> np.uint32(16)
+    ws[:rows] = bits[:, 0::2] | (bits[:, 1::2] << np.uint32(16))
 
 
 @cuda.jit(device=True)
-def _e2m1_nonzero(nib):
-    return int32((nib & 7) != 0)
+def _scaled_bf16(nib, scale):
+    """bf16 bits of e2m1 ``nib`` times float32 ``scale`` (a power of two: exact)."""
+    return _f32_bits(_bits_f32(int32(_e2m1_bf16(nib)) << 16) * scale) >> uint32(16)
 
 
-@cuda.jit(device=True)
-def _scaled_pair(t, e7):
-    """A table entry's bf16 pair with e7 = 128 (e - 127) added to the exponent field of each
-    nonzero half (the entry's high word: 1 for the low half, 65536 for the high one): one
-    integer multiply-add, no carry between the halves while the exponents stay in 1 .. 254."""
-    return uint32(int64(t & np.uint64(0xFFFFFFFF)) + e7 * int64(t >> np.uint64(32)))
+@kernel
+def _decode_keys(ws, keys8, n):
+    """ws[r, i] = dims 2i, 2i+1 of key r (< n; zero after); the scale byte e of the dims'
+    32-block is 2^(e - 127) (e = 0: 2^-127, a subnormal, as the reference)."""
+    rows, RW = ws.shape
+    for i in range(cuda.grid(1), rows * RW, cuda.gridsize(1)):
+        r = i // RW
+        d = i - r * RW
+        word = uint32(0)
+        if r < n:
+            b = int32(keys8[r, d])
+            e = int32(keys8[r, RW + d // 16])
+            scale = _bits_f32(e << 23 if e > 0 else 0x00400000)
+            word = _scaled_bf16(b & 15, scale) | (_scaled_bf16(b >> 4, scale) << uint32(16))
+        ws[r, d] = word
+
+
+def decode_keys(ws, keys_packed, n: int, stream=0) -> DecodedKeys:
+    """decode_keys_ref on the GPU: the first n of keys_packed [Ncap, bytes] into the workspace
+    ws [>= key_ws_rows(n), DI/2] uint32; returns the chunk tiles kernel's view of them."""
+    n = max(0, min(int(n), keys_packed.shape[0]))
+    rows, RW = key_ws_rows(n), ws.shape[1]
+    if ws.shape[0] < rows or keys_packed.shape[1] != kvpack.index_key_bytes(2 * RW):
+        raise ValueError(f"indexer key workspace: {tuple(ws.shape)} for {n} keys of "
+                         f"{keys_packed.shape[1]} bytes, expected at least ({rows}, DI/2) "
+                         f"for keys of index_key_bytes(DI)")
+    view = ws[:rows]
+    nt = 256
+    _decode_keys[min(cdiv(rows * RW, nt), 4096), nt, stream](view, keys_packed, n)
+    return DecodedKeys(view, n)
 
 
 def _tile_scorer(HI: int, DI: int):
@@ -228,147 +284,152 @@ def _tile_scorer(HI: int, DI: int):
     S = DI // 16  # k-steps
     WPT = HI // 32  # warps a token
     TB = TILE_WARPS // WPT  # tokens a block
-    PAIRS = TILE_KEYS * S  # (key, k-step) pairs decoded a step: at most one a thread
-    FRAG = S * TILE_NT * 32  # fragment words (8 bytes: b0, b1) of one step's keys
-    NQ = 2 * S * 4  # A registers: two m-tiles x S k-steps x 4
-    NH = TILE_NT // 2  # n-tiles a pass
-    NACC = 2 * NH * 4  # C registers: two m-tiles x a pass's n-tiles x 4
+    NT = 32 * TILE_WARPS
+    RW = DI // 2  # words of a decoded key
+    LDW = RW + PAD_WORDS  # its shared row
+    TILE = TILE_KEYS * LDW
+    PPR = RW // 4  # 16-byte pieces of a row
+    RAP = NT // PPR  # rows copied a pass of the block's threads
+    NCP = TILE_KEYS // RAP  # passes a step
+    NQ = 4 * S * 2  # B registers: 4 head n-tiles x S k-steps x 2
     PART = TILE_WARPS * TILE_KEYS
-    FRAG2, PART2 = 2 * FRAG, 2 * PART  # double buffers
+    NOUT = cdiv(TB * TILE_KEYS, NT)  # combined scores a thread a step
+    TILE2, PART2 = 2 * TILE, 2 * PART  # double buffers
 
     @cuda.jit(device=True)
-    def load_pair(keys32, keys8, j, p):
-        """The packed words of key j for k-step p // TILE_KEYS, and its scale byte."""
-        s = p // TILE_KEYS
-        return (uint32(keys32[j, 2 * s]), uint32(keys32[j, 2 * s + 1]),
-                int32(keys8[j, DI // 2 + (s >> 1)]))
+    def copy_step(tile, dst, ws, src):
+        """cp.async a step's rows: this thread's pieces, from word src of ws to word dst of
+        tile, then RAP rows further on, NCP times."""
+        for u in range(NCP):
+            _cp_async16(tile, dst + uint32(u * RAP * LDW), ws, src + uint32(u * RAP * RW))
 
     @cuda.jit(device=True)
-    def store_pair(frag, base, tab, p, w0, w1, e):
-        """Decode a pair's two words (16 dims: lanes 4g .. 4g+3 of n-tile kk // 8) into the
-        step's fragment buffer: bf16 values times 2^(e - 127), exact for e in 2 .. 252."""
-        s, kk = p // TILE_KEYS, p % TILE_KEYS
-        lane0 = base + (s * TILE_NT + (kk >> 3)) * 32 + 4 * (kk & 7)
-        e7 = int64(e - 127) * 128
-        for h in range(2):
-            word = w0 if h == 0 else w1
-            for half in range(2):
-                b0 = _scaled_pair(tab[(word >> uint32(16 * half)) & uint32(0xFF)], e7)
-                b1 = _scaled_pair(tab[(word >> uint32(16 * half + 8)) & uint32(0xFF)], e7)
-                frag[lane0 + 2 * h + half] = np.uint64(b0) | (np.uint64(b1) << np.uint64(32))
-
-    @cuda.jit(device=True)
-    def combine(out, part, pbuf, ntok, t_base, k0, T, N):
+    def combine(out, part, pbuf, ntok, t_base, k0, T, N, tid):
         """out[t, k0 + i] for the block's tokens: the warps' partial sums, -inf past n_t."""
-        for idx in range(cuda.threadIdx.x, TB * TILE_KEYS, cuda.blockDim.x):
-            tw, i = idx // TILE_KEYS, idx % TILE_KEYS
-            t, j = t_base + tw, k0 + i
-            if t < T and j < N:
+        for u in range(NOUT):
+            idx = uint32(tid + u * NT)
+            tw = idx // uint32(TILE_KEYS)
+            i = idx - tw * uint32(TILE_KEYS)
+            t, j = t_base + int64(tw), k0 + int64(i)
+            if tw < uint32(TB) and t < T and j < N:
                 sc = float32(0.0)
                 for hb in range(WPT):
-                    sc += part[pbuf * PART + (tw * WPT + hb) * TILE_KEYS + i]
+                    sc += part[uint32(pbuf * PART) + (tw * uint32(WPT) + uint32(hb))
+                               * uint32(TILE_KEYS) + i]
                 out[t, j] = sc if j < ntok[tw] else -math.inf
 
-    def chunk_tiles(out, q, w, keys32, keys8, n_visible):
-        # out [T, N], q [T, HI, DI] (on the FP4 grid), w [T, HI], n_visible [T];
-        # blockIdx.y = group of TB tokens, blockIdx.x strides over the key steps
+    def chunk_tiles(out, q, w, ws, n_keys, n_visible):
+        # out [T, N], q [T, HI, DI] (on the FP4 grid), w [T, HI], ws [rows, DI/2] (keys
+        # j < n_keys decoded), n_visible [T]; blockIdx.y = group of TB tokens, blockIdx.x
+        # strides over the key steps
         T, N = out.shape
-        ncap = keys8.shape[0]
         tid = cuda.threadIdx.x
         lane, warp = tid & 31, tid >> 5
         g, c = lane >> 2, lane & 3
         tw, hb = warp // WPT, warp % WPT
         t_base = cuda.blockIdx.y * TB
         t = t_base + tw
-        tab = cuda.shared.array(256, uint64)  # byte -> (bf16 pair, nonzero-halves mult.)
-        frag = cuda.shared.array(FRAG2, uint64)
+        tile = cuda.shared.array(TILE2, uint32)
         part = cuda.shared.array(PART2, float32)
         ntok = cuda.shared.array(TILE_WARPS, int32)
         xch = cuda.shared.array(XCH, np.int64)
         shf = cuda.shared.array(SHF, float32)
-        lo, hi = tid & 15, tid >> 4  # the launch's 256 threads: one table entry each
-        tab[tid] = (np.uint64(uint32(_e2m1_bf16(lo)) | (uint32(_e2m1_bf16(hi)) << uint32(16)))
-                    | (np.uint64(_e2m1_nonzero(lo) + 65536 * _e2m1_nonzero(hi))
-                       << np.uint64(32)))
         n_blk = 0
         for k in range(TB):  # the block's largest visible count bounds its steps
             tk = t_base + k
-            nk = min(int(n_visible[tk]), N, ncap) if tk < T else 0
+            nk = min(int(n_visible[tk]), N, n_keys, ws.shape[0]) if tk < T else 0
             nk = max(nk, 0)
             n_blk = max(n_blk, nk)
             if tid == k:
                 ntok[k] = nk
-        # q's fragments: (h0, d..d+1), (h1, d..d+1), (h0, d+2..), (h1, d+2..) per m-tile and
-        # k-step, d = 16s + 4c; a token past T scores zeros (its outputs are not written)
-        qa = cuda.local.array(NQ, uint32)
-        wv = cuda.local.array(4, float32)
+        # q as the B operand: head n-tile n = heads 32 hb + 8n + (0 .. 7), lane g's column;
+        # k-step s: dims 16s + 2c, +1 (b0) and 16s + 2c + 8, +9 (b1). A token past T scores
+        # zeros (its outputs are not written)
+        qb = cuda.local.array(NQ, uint32)
+        wv = cuda.local.array(8, float32)
         tq = min(t, T - 1)
-        for mt in range(2):
-            h0 = 32 * hb + 16 * mt + g
+        for n in range(4):
+            h = 32 * hb + 8 * n + g
             for s in range(S):
-                d = 16 * s + 4 * c
                 for r in range(2):
-                    for hh in range(2):
-                        v0 = q[tq, h0 + 8 * hh, d + 2 * r] if t < T else float32(0.0)
-                        v1 = q[tq, h0 + 8 * hh, d + 2 * r + 1] if t < T else float32(0.0)
-                        qa[(mt * S + s) * 4 + 2 * r + hh] = _split_pair(v0, v1)[0]
-            wv[2 * mt] = w[tq, h0]
-            wv[2 * mt + 1] = w[tq, h0 + 8]
-        acc = cuda.local.array(NACC, float32)
+                    d = 16 * s + 2 * c + 8 * r
+                    v0 = q[tq, h, d] if t < T else float32(0.0)
+                    v1 = q[tq, h, d + 1] if t < T else float32(0.0)
+                    qb[(n * S + s) * 2 + r] = _split_pair(v0, v1)[0]
+            hw = 32 * hb + 8 * n + 2 * c  # the heads of this lane's C columns
+            wv[2 * n] = w[tq, hw]
+            wv[2 * n + 1] = w[tq, hw + 1]
+        # keys as the A operand by ldmatrix.x4: lane 8m + r gives row r of matrix m, m = (rows
+        # 0-7 | 8-15) x (dims 0-7 | 8-15) of the m-tile's k-step. Shared offsets are unsigned
+        # (no negative-index code; ptxas folds the constant parts into the loads)
+        ul = uint32(lane)
+        lword = (((ul & uint32(7)) + uint32(8) * ((ul >> uint32(3)) & uint32(1))) * uint32(LDW)
+                 + uint32(4) * (ul >> uint32(4)))
+        utid = uint32(tid)
+        cdst = (utid // uint32(PPR)) * uint32(LDW) + uint32(4) * (utid % uint32(PPR))
+        csrc = (utid // uint32(PPR)) * uint32(RW) + uint32(4) * (utid % uint32(PPR))
+        pcol = uint32(warp * TILE_KEYS) + uint32(g)
+        acc = cuda.local.array(16, float32)
         zero = float32(0.0)
         stride = cuda.gridDim.x * TILE_KEYS
         k0 = cuda.blockIdx.x * TILE_KEYS
-        w0, w1, e = uint32(0), uint32(0), int32(0)
-        if k0 < n_blk and tid < PAIRS:
-            w0, w1, e = load_pair(keys32, keys8, min(k0 + tid % TILE_KEYS, n_blk - 1), tid)
-        cuda.syncthreads()  # the table and ntok
+        if k0 < n_blk:
+            copy_step(tile, cdst, ws, uint32(k0 * RW) + csrc)
+        _cp_async_commit()
         step = 0
         while k0 < n_blk:  # block-uniform: the steps with visible keys
-            buf = step & 1
-            if tid < PAIRS:
-                store_pair(frag, buf * FRAG, tab, tid, w0, w1, e)
+            buf = uint32(step & 1)
+            _cp_async_wait0()  # this step's rows (copied by this thread) have landed
+            cuda.syncthreads()  # ... and everyone's; every warp is done with the last step
             k1 = k0 + stride
-            if k1 < n_blk and tid < PAIRS:  # the next step's words, in flight over the MMAs
-                w0, w1, e = load_pair(keys32, keys8, min(k1 + tid % TILE_KEYS, n_blk - 1),
-                                      tid)
-            cuda.syncthreads()
+            if k1 < n_blk:  # the next step's rows, in flight over this step's MMAs
+                copy_step(tile, (buf ^ uint32(1)) * uint32(TILE) + cdst, ws,
+                          uint32(k1 * RW) + csrc)
+            _cp_async_commit()
             if step > 0:
-                combine(out, part, buf ^ 1, ntok, t_base, k0 - stride, T, N)
-            for h in range(2):  # two n-tiles at a time: 16 accumulators, not 32, live
-                for i in range(NACC):
+                combine(out, part, buf ^ uint32(1), ntok, t_base, k0 - stride, T, N, tid)
+            base = buf * uint32(TILE) + lword
+            # the next (m-tile, k-step) fragment is loaded while this one is in the MMAs (the
+            # last one's next: the first again, unused)
+            a0, a1, a2, a3 = _ldsm_x4(tile, base, xch)
+            for mt in range(4):  # a key m-tile at a time: 16 accumulators live
+                for i in range(16):
                     acc[i] = zero
+                mo = base + uint32(mt) * uint32(16 * LDW)
                 for s in range(S):
-                    for n in range(NH):
-                        bw = frag[buf * FRAG + (s * TILE_NT + NH * h + n) * 32 + lane]
-                        b0 = uint32(bw & np.uint64(0xFFFFFFFF))
-                        b1 = uint32(bw >> np.uint64(32))
-                        for mt in range(2):
-                            a, o = (mt * S + s) * 4, (mt * NH + n) * 4
-                            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = _mma_bf16(
-                                qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1,
-                                acc[o], acc[o + 1], acc[o + 2], acc[o + 3], xch)
-                # C: (head g, key 2c) (g, 2c+1) (g+8, 2c) (g+8, 2c+1) of each m- and n-tile
-                for n in range(NH):
-                    pa, pb = zero, zero
-                    for mt in range(2):
-                        o = (mt * NH + n) * 4
-                        w0h, w1h = wv[2 * mt], wv[2 * mt + 1]
-                        pa += w0h * max(acc[o], zero) + w1h * max(acc[o + 2], zero)
-                        pb += w0h * max(acc[o + 1], zero) + w1h * max(acc[o + 3], zero)
-                    for off in (4, 8, 16):
-                        pa += xor_shfl(pa, off, shf)
-                        pb += xor_shfl(pb, off, shf)
-                    if g == 0:
-                        col = buf * PART + warp * TILE_KEYS + 8 * (NH * h + n) + 2 * c
-                        part[col] = pa
-                        part[col + 1] = pb
+                    if s + 1 < S:
+                        nxt = mo + uint32(8 * (s + 1))
+                    else:
+                        nxt = base + (uint32(mt + 1) & uint32(3)) * uint32(16 * LDW)
+                    n0, n1, n2, n3 = _ldsm_x4(tile, nxt, xch)
+                    for n in range(4):
+                        o, b = 4 * n, (n * S + s) * 2
+                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = _mma_bf16(
+                            a0, a1, a2, a3, qb[b], qb[b + 1],
+                            acc[o], acc[o + 1], acc[o + 2], acc[o + 3], xch)
+                    a0, a1, a2, a3 = n0, n1, n2, n3
+                # C of head n-tile n: (key g, head 2c) (g, 2c+1) (g+8, 2c) (g+8, 2c+1)
+                r0, r1 = zero, zero
+                for n in range(4):
+                    o = 4 * n
+                    r0 = r0 + wv[2 * n] * max(acc[o], zero)
+                    r0 = r0 + wv[2 * n + 1] * max(acc[o + 1], zero)
+                    r1 = r1 + wv[2 * n] * max(acc[o + 2], zero)
+                    r1 = r1 + wv[2 * n + 1] * max(acc[o + 3], zero)
+                for off in (1, 2):  # the warp's 32 heads: over c
+                    r0 += xor_shfl(r0, off, shf)
+                    r1 += xor_shfl(r1, off, shf)
+                if c == 0:
+                    col = buf * uint32(PART) + pcol + uint32(16 * mt)
+                    part[col] = r0
+                    part[col + uint32(8)] = r1
             k0 = k1
             step += 1
         if step > 0:
             cuda.syncthreads()
-            combine(out, part, (step - 1) & 1, ntok, t_base, k0 - stride, T, N)
+            combine(out, part, uint32((step - 1) & 1), ntok, t_base, k0 - stride, T, N, tid)
         while k0 < N:  # past every token's visible keys: only the -inf fill
-            for idx in range(tid, TB * TILE_KEYS, cuda.blockDim.x):
+            for idx in range(tid, TB * TILE_KEYS, NT):
                 tt, j = t_base + idx // TILE_KEYS, k0 + idx % TILE_KEYS
                 if tt < T and j < N:
                     out[tt, j] = -math.inf
@@ -400,13 +461,18 @@ def indexer_scores_mma(out, q, w, keys_packed, n_visible, stream=0) -> None:
 
 
 def indexer_scores_chunk_mma(out, q, w, keys_packed, n_visible, stream=0,
-                             q_fp4: bool = False) -> None:
+                             q_fp4: bool = False, key_ws: DecodedKeys | None = None) -> None:
     """Chunk form: out[T, N] f32 <- q[T, HI, DI], w[T, HI], keys_packed, n_visible[T].
-    ``q_fp4``: q is on the FP4 grid (exact in bf16), so the chunk tiles kernel may take it."""
+    ``q_fp4``: q is on the FP4 grid (exact in bf16), so the chunk tiles kernel may take it,
+    reading ``key_ws`` (decode_keys of keys_packed; decoded here into a new array if None)."""
     T, HI, DI = q.shape
     if q_fp4 and fits_tiles(HI, DI):
+        if key_ws is None:
+            n = min(keys_packed.shape[0], out.shape[1])
+            ws = cuda.device_array((key_ws_rows(n), DI // 2), np.uint32, stream=stream)
+            key_ws = decode_keys(ws, keys_packed, n, stream)
         kern = _tile_kernel(HI, DI)
-        args = (out, q, w, keys_packed.view(np.uint32), keys_packed, n_visible)
+        args = (out, q, w, key_ws.rows, key_ws.n, n_visible)
         nt = 32 * TILE_WARPS
         groups = cdiv(T, TILE_WARPS // (HI // 32))
         resident = resident_blocks(kern, args, nt)
@@ -428,6 +494,7 @@ PTX_SIGNATURES = [
     (_kernels(128)[0], f"void(float32[::1], float32[:, ::1], float32[::1], {_SIG}, int32[::1])"),
     (_kernels(128)[1], f"void(float32[:, ::1], float32[:, :, ::1], float32[:, ::1], {_SIG}, "
                        "int32[::1])"),
-    (_tile_kernel(64, 128), f"void(float32[:, ::1], float32[:, :, ::1], float32[:, ::1], "
-                            f"{_SIG}, int32[::1])"),
+    (_tile_kernel(64, 128), "void(float32[:, ::1], float32[:, :, ::1], float32[:, ::1], "
+                            "uint32[:, ::1], int64, int32[::1])"),
+    (_decode_keys, "void(uint32[:, ::1], uint8[:, ::1], int64)"),
 ]

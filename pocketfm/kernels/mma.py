@@ -169,6 +169,11 @@ if SIMULATOR:
     def _cp_async_wait1():
         """Wait until at most one of the thread's committed groups is still in flight."""
         return
+
+    @cuda.jit(device=True)
+    def _cp_async_wait0():
+        """Wait until every one of the thread's committed groups has landed."""
+        return
 else:
     from llvmlite import ir
     from numba import types
@@ -201,9 +206,22 @@ else:
 
     _mma_ptx, _mma_f16_ptx = _mma_intrinsic("bf16"), _mma_intrinsic("f16")
 
+    def _shared_u32(context, builder, aty, ary_val, ity, i_val):
+        """The 32-bit shared-window address of element i of shared array value ``ary_val``:
+        the array's base converted once (a cvta with no side effect, so LLVM hoists it and
+        shares it between accesses), then a 32-bit add that ptxas folds into the access's
+        immediate offset (a generic address costs three 64-bit instructions an access)."""
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        ary = context.make_array(aty)(context, builder, ary_val)
+        cvta = ir.InlineAsm(ir.FunctionType(i64, [i64]), "cvta.to.shared.u64 $0, $1;", "=l,l")
+        base = builder.trunc(builder.call(cvta, [builder.ptrtoint(ary.data, i64)]), i32)
+        k = builder.trunc(context.cast(builder, i_val, ity, types.int64), i32)
+        size = context.get_abi_sizeof(context.get_data_type(aty.dtype))
+        return builder.add(base, builder.mul(k, ir.Constant(i32, size)))
+
     def _ldsm_intrinsic(trans: bool):
-        """ldmatrix.m8n8.x4 (``trans``: .trans) of shared uint32 words[i] (generic address)."""
-        ptx = (f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.b16 "
+        """ldmatrix.m8n8.x4 (``trans``: .trans) of shared uint32 words[i]."""
+        ptx = (f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 "
                "{$0, $1, $2, $3}, [$4];")
 
         @intrinsic
@@ -213,13 +231,11 @@ else:
                 return None
 
             def codegen(context, builder, sig, args):
-                i32, i64 = ir.IntType(32), ir.IntType(64)
-                ary = context.make_array(sig.args[0])(context, builder, args[0])
-                k = context.cast(builder, args[1], sig.args[1], types.int64)
-                addr = builder.ptrtoint(builder.gep(ary.data, [k]), i64)
-                fty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64])
+                i32 = ir.IntType(32)
+                addr = _shared_u32(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                fty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
                 # side effect: it reads shared memory, so it stays between its barriers
-                asm = ir.InlineAsm(fty, ptx, "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+                asm = ir.InlineAsm(fty, ptx, "=r,=r,=r,=r,r,~{memory}", side_effect=True)
                 s = builder.call(asm, [addr])
                 return cgutils.pack_array(builder,
                                           [builder.extract_value(s, m) for m in range(4)])
@@ -248,13 +264,12 @@ else:
             return None
 
         def codegen(context, builder, sig, args):
-            d = _generic_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            d = _shared_u32(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             s = _generic_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
-            i64 = ir.IntType(64)
-            ptx = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
-                   "cp.async.cg.shared.global [sa], [ga], 16; }")
-            fty = ir.FunctionType(ir.VoidType(), [i64, i64])
-            builder.call(ir.InlineAsm(fty, ptx, "l,l,~{memory}", side_effect=True), [d, s])
+            ptx = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
+                   "cp.async.cg.shared.global [$0], [ga], 16; }")
+            fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64)])
+            builder.call(ir.InlineAsm(fty, ptx, "r,l,~{memory}", side_effect=True), [d, s])
             return context.get_dummy_value()
         return types.none(dst, i, src, j), codegen
 
@@ -271,6 +286,7 @@ else:
 
     _commit_ptx = _asm_barrier("cp.async.commit_group;")
     _wait1_ptx = _asm_barrier("cp.async.wait_group 1;")
+    _wait0_ptx = _asm_barrier("cp.async.wait_group 0;")
 
     @cuda.jit(device=True)
     def _cp_async16(dst, i, src, j):
@@ -283,6 +299,10 @@ else:
     @cuda.jit(device=True)
     def _cp_async_wait1():
         _wait1_ptx()
+
+    @cuda.jit(device=True)
+    def _cp_async_wait0():
+        _wait0_ptx()
 
     @cuda.jit(device=True)
     def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):

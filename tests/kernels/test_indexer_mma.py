@@ -106,3 +106,57 @@ def test_scores_chunk_tiles_v4_size():
     q, w, keys = _inputs(rng, T, HI, DI, N, True)
     nv = np.linspace(1, N, T).astype(np.int32)
     _check_chunk(q, w, keys, nv, N, q_fp4=True)
+
+
+def test_decode_keys():
+    # rows 0 .. n-1 decoded, zeros up to whole 64-key steps, the rest untouched; a block with
+    # scale byte 0 reads as 2^-127 (subnormal bf16, as the reference)
+    rng = fresh_rng()
+    DI, ncap, n = 64, 150, 131
+    keys = ix.random_packed_keys(rng, ncap, DI)
+    keys[3, DI // 2] = 0
+    rows = indexer_mma.key_ws_rows(n)
+    assert rows == 192
+    ws = cuda.to_device(np.full((rows + 5, DI // 2), 0xDEADBEEF, np.uint32))
+    got = indexer_mma.decode_keys(ws, cuda.to_device(keys), n)
+    assert got.n == n and got.rows.shape == (rows, DI // 2)
+    ref = np.full((rows + 5, DI // 2), 0xDEADBEEF, np.uint32)
+    indexer_mma.decode_keys_ref(ref, keys, n)
+    np.testing.assert_array_equal(ws.copy_to_host(), ref)
+    assert not ref[n:rows].any() and (ref[rows:] == 0xDEADBEEF).all()
+    # the reference's pairs are the unpacked keys' values exactly
+    vals = np.empty((n, DI), np.float32)
+    ix.kvpack.unpack_index_key_ref(vals, keys[:n])
+    lo = (ref[:n] << np.uint32(16)).view(np.float32)
+    hi = (ref[:n] & np.uint32(0xFFFF0000)).view(np.float32)
+    np.testing.assert_array_equal(lo, vals[:, 0::2])
+    np.testing.assert_array_equal(hi, vals[:, 1::2])
+
+
+def test_decode_keys_refuses_a_short_workspace():
+    keys = cuda.to_device(ix.random_packed_keys(fresh_rng(), 70, 128))
+    with pytest.raises(ValueError, match=r"^indexer key workspace: \(64, 64\) for 70 keys"):
+        indexer_mma.decode_keys(cuda.device_array((64, 64), np.uint32), keys, 70)
+    with pytest.raises(ValueError, match="expected at least"):  # keys of another DI
+        indexer_mma.decode_keys(cuda.device_array((128, 32), np.uint32), keys, 70)
+
+
+def test_scores_chunk_tiles_over_keys_decoded_once():
+    # the prefill's use: keys decoded once for the last token's count, then scoring passes
+    # over slices of the chunk's tokens; a token whose count passes the decoded keys scores
+    # only those (the engine never asks: its counts end at the last token's)
+    rng = fresh_rng()
+    T, HI, DI, ncap, N = 6, 32, 32, 90, 70
+    q, w, keys = _inputs(rng, T, HI, DI, ncap, True)
+    nv = np.array([3, 40, 64, 65, 69, 70], np.int32)
+    ws = cuda.device_array((indexer_mma.key_ws_rows(ncap), DI // 2), np.uint32)
+    key_ws = indexer_mma.decode_keys(ws, cuda.to_device(keys), 66)
+    out = poisoned((T, N))
+    dq, dw, dk, dn = (cuda.to_device(a) for a in (q, w, keys, nv))
+    for t0, t1 in ((0, 4), (4, 6)):
+        ix.indexer_scores_chunk(out[t0:t1], dq[t0:t1], dw[t0:t1], dk, dn[t0:t1], mma=True,
+                                q_fp4=True, key_ws=key_ws)
+    ref = np.empty((T, N))
+    ix.indexer_scores_chunk_ref(ref, q.astype(np.float64), w.astype(np.float64), keys[:66],
+                                nv)
+    check_scores(out.copy_to_host(), ref, np.minimum(nv, 66))
