@@ -828,7 +828,9 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     ``keys``: a uint32 workspace [>= key_rows(Ncap, W, T), K/2] for the tensor cores: comp's
     visible rows and the window's keys by position are decoded into it once (``decode_rows``),
     and every block copies its keys' rows (cp.async) instead of decoding each entry again per
-    token.
+    token. Only rows below n_comp_visible[T-1] are decoded, so with ``keys`` CSA's ``sel`` must
+    name rows below it (the engine's top-k picks among each token's visible rows); a row past
+    it reads a stale workspace row.
     ``key_tile``: key slots a tile of the tensor-core kernel (16, 32 or 64; by default
     KEY_TILE_PRE with ``keys``, else KEY_TILE)."""
     T, H, K = q.shape
