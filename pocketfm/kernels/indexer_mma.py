@@ -37,9 +37,9 @@ m-tile's k-step, rows padded so its 8 rows fall on distinct banks), q the B oper
 8 k-steps accumulate in the MMAs' float32 C; a lane's C holds 2 keys x 2 heads of each
 n-tile, so the ReLU-weighted head sum is 8 heads in registers and then 2 shuffles (over c),
 and the two warps of a token meet in shared memory. Summation order differs from the
-per-token kernel (float32 sums). H200 (2026-12-04, 1,016 tokens x 66,048 keys): the former
-in-block decode ran at 182 TFLOP/s with 12 instructions an MMA (the table decode and the
-index arithmetic around 32 shared loads a step); see BENCHMARKS.
+per-token kernel (float32 sums). H200 (2026-12-04, 1,016 tokens x 66,048 keys): 356 TFLOP/s,
+4.3 instructions an MMA; the former in-block decode ran at 182 with 12 (the table decode and
+the index arithmetic around 32 shared loads a step); BENCHMARKS 2026-12-04 (f).
 """
 from __future__ import annotations
 
