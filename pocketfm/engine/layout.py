@@ -339,10 +339,10 @@ def prefill_shared_buffers(cfg: ModelConfig, capacity: int, chunk: int) -> dict:
       that GEMM; y (its output, token-major) until out_b; then in the MoE gate_up until the
       SwiGLU (or hmma's preparation of the down's x) has read it; then down.
     - idx_keys (the indexer's keys decoded for the chunk tiles kernel, uint32 bf16 pairs)
-      until the last scoring pass; o until it is regrouped; x_rep (the MoE's input per routed row) until the gate|up GEMM;
-      then h (the SwiGLU's output, read by the down GEMM); then the shared expert's gate_up
-      (on hmma.py's path, which writes no x_rep or h, before the routed GEMMs: it reads the
-      same prepared x).
+      until the last scoring pass; o until it is regrouped; x_rep (the MoE's input per
+      routed row) until the gate|up GEMM; then h (the SwiGLU's output, read by the down
+      GEMM); then the shared expert's gate_up (on hmma.py's path, which writes no x_rep or
+      h, before the routed GEMMs: it reads the same prepared x).
     - the indexer's qi until its Hadamard; its scores until the top-k; attn_keys (the
       compressed rows and the window's keys decoded for the attention, uint32 bf16 pairs)
       until the attention has read them; y_groups (out_a's output, group-major) until it is
