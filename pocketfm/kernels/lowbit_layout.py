@@ -440,6 +440,18 @@ def _sign_bits(s):
 
 
 @cuda.jit(device=True)
+def _iq2_xxs_signed(mag, sw, i):
+    """Grid row i of a 32-column IQ2_XXS block as signed code bytes (int8 in two uint32):
+    ``mag`` its 8 magnitude bytes, ``sw`` the block's sign / scale word (see _iq2_xxs_dot)."""
+    s7 = (sw >> uint32(7 * i)) & uint32(127)
+    s8 = s7 | ((uint32(cuda.popc(s7)) & uint32(1)) << uint32(7))
+    b0 = _sign_bits(s8)
+    b1 = _sign_bits(s8 >> uint32(4))
+    return (uint32((_half(mag, 0) ^ (b0 * uint32(255))) + b0),
+            uint32((_half(mag, 1) ^ (b1 * uint32(255))) + b1))
+
+
+@cuda.jit(device=True)
 def _iq2_xxs_dot(u, d, unused, wa, wb, xh, xl, xsum, tab, lane):
     # tab: the grid rows' magnitude bytes g (8, 25 or 43), GRID_REPS copies apart. The signs are
     # made in registers (no table: shared-memory lookups were the kernel's main stall): the
@@ -460,12 +472,7 @@ def _iq2_xxs_dot(u, d, unused, wa, wb, xh, xl, xsum, tab, lane):
         lo1 = int32(0)
         for i in range(4):
             mag = tab[int32((idx4 >> uint32(8 * i)) & uint32(255)) * GRID_REPS + grow]
-            s7 = (sw >> uint32(7 * i)) & uint32(127)
-            s8 = s7 | ((uint32(cuda.popc(s7)) & uint32(1)) << uint32(7))
-            b0 = _sign_bits(s8)
-            b1 = _sign_bits(s8 >> uint32(4))
-            c0 = uint32((_half(mag, 0) ^ (b0 * uint32(255))) + b0)
-            c1 = uint32((_half(mag, 1) ^ (b1 * uint32(255))) + b1)
+            c0, c1 = _iq2_xxs_signed(mag, sw, i)
             hi0 = _dp4a_ss(c0, xh[8 * g + 2 * i], hi0)
             lo0 = _dp4a_su(c0, xl[8 * g + 2 * i], lo0)
             hi1 = _dp4a_ss(c1, xh[8 * g + 2 * i + 1], hi1)
