@@ -41,8 +41,10 @@ def _tile_rows(dst, pool, salt):
 
 def tile_rows(dst, pool, salt: int, stream=0) -> None:
     """dst [R, B] <- rows of pool [P, B] (device arrays of uint32 or uint8 words)."""
-    nt = 256
-    blocks = min(cdiv(dst.shape[0] * dst.shape[1], nt), 65535)
+    # (the simulator: two blocks of 32 threads, as step_kernels' grid-stride launches; 256
+    # threads a word took most of a simulated bench's time to build the tiny model's weights)
+    nt, most = (32, 2) if device.SIMULATOR else (256, 65535)
+    blocks = min(cdiv(dst.shape[0] * dst.shape[1], nt), most)
     _tile_rows[blocks, nt, stream](dst, pool, np.uint32(salt % 2**32))
 
 
