@@ -25,14 +25,15 @@ def test_bench_prefill_beyond_the_model():
 
 
 def test_bench_tiny_in_the_simulator():
-    """A 40-position fill, then 4 tokens through the chunked prefill, then one decode step
-    (and the --ncu-step one, eager on one stream: no profiler in the simulator)."""
-    code, out, err = bench("--preset", "tiny", "--ctx", "40", "--prefill", "4",
-                           "--prefill-chunk", "4", "--tokens", "1", "--ncu-step", "--json")
+    """A 42-position fill, then 2 tokens through the chunked prefill (the second completes a
+    CSA entry: position 43), then one decode step (and the --ncu-step one, eager on one
+    stream: no profiler in the simulator). A simulated prefill token costs ~20 s: 2, not 4."""
+    code, out, err = bench("--preset", "tiny", "--ctx", "42", "--prefill", "2",
+                           "--prefill-chunk", "2", "--tokens", "1", "--ncu-step", "--json")
     assert code == 0, err
     r = json.loads(out.strip().splitlines()[-1])
     assert r["ctx"] == 44 and r["decode_tok_s"] > 0
-    assert r["prefill_tokens"] == 4 and r["prefill_tok_s"] > 0 and r["prefill_chunk"] == 4
+    assert r["prefill_tokens"] == 2 and r["prefill_tok_s"] > 0 and r["prefill_chunk"] == 2
     chunks = r["prefill_chunks_s"]  # each chunk's time: one chunk, the whole prefill
     assert len(chunks) == 1 and 0 < chunks[0] <= r["prefill_s"]
     nb = r["bytes_per_token"]
