@@ -69,7 +69,10 @@ class EngineMemory:
             self.xs_cycle = cuda.device_array_like(self.xs, stream=s)  # the boundary's x
             self.z = cuda.device_array((len(self.rows), self.n4), np.float32, stream=s)
             self.z_host = cuda.pinned_array((len(self.rows), self.n4), np.float32)
-            self.scorer = RetrieverScorer(memory.retriever, memory.freq, self.n4, stream=s)
+            # (the engine's launch shapes: in the simulator 32 threads and the serial norm /
+            # Hadamard, as retriever_query says; their fast forms have their own tests)
+            self.scorer = RetrieverScorer(memory.retriever, memory.freq, self.n4, stream=s,
+                                          threads=eng.nt, **eng.sim)
             self._score(1, 0, s)  # compile the scorer now, not inside the first decode cycle
         self.global_mode = memory.sel.mode == "global-topk"
         if self.global_mode:
