@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, int32
 
 from ..kernels import device
-from ..kernels.device import cdiv
+from ..kernels.device import cdiv, grid_stride_shape
 
 META_POS, META_PROMPT, META_WINDOW, META_RATIOS = 0, 1, 2, 3
 
@@ -261,14 +261,6 @@ def _sort_selected(sel):
 
 
 # ---- launchers ----------------------------------------------------------------------------------
-def _grid_stride_shape(most_blocks: int) -> tuple[int, int]:
-    """(threads, most blocks) of a grid-stride copy / fill launch. The simulator runs each
-    thread as a Python thread, and starting one costs ~20x a loop iteration: there two blocks
-    of 32 threads (blockIdx and the grid stride both still take part) fill a tiny model's
-    caches ~15x faster. The kernel is the same; on a GPU, 256 threads and many blocks."""
-    return (32, 2) if device.SIMULATOR else (256, most_blocks)
-
-
 def begin_step(meta, ids, token, u, uniforms, ratios, window: int, stream=0) -> None:
     """meta int32 [3 + len(ratios)], ids int32 [cap + 1], token int32 [1], u float32 [1],
     uniforms float32 [n], ratios int32 [r] (device arrays)."""
@@ -294,7 +286,7 @@ def scale(x, c: float, stream=0) -> None:
 def fill_words(words, bits: int, stream=0) -> None:
     """words uint32 [R, n] = bits: a cache reset on the device (a float32 or packed uint8 array
     seen as 32-bit words), instead of copying gigabytes of host zeros at a long context."""
-    nt, most = _grid_stride_shape(4096)
+    nt, most = grid_stride_shape(4096)
     _fill_words[min(cdiv(words.size, nt), most), nt, stream](words, np.uint32(bits))
 
 
@@ -304,7 +296,7 @@ def swap_leading(out, x, stream=0) -> None:
     A, B, C = x.shape
     if out.shape != (B, A, C):
         raise ValueError(f"swap_leading: out {out.shape}, want {(B, A, C)}")
-    nt, most = _grid_stride_shape(4096)
+    nt, most = grid_stride_shape(4096)
     _swap_leading[min(cdiv(x.size, nt), most), nt, stream](out, x)
 
 

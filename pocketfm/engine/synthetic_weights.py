@@ -16,7 +16,7 @@ from numba import cuda, int64
 
 from ..config import ModelConfig
 from ..kernels import device
-from ..kernels.device import cdiv
+from ..kernels.device import cdiv, grid_stride_shape
 from ..kernels.gemv import pack_weight
 from ..kernels.qweight import QWeight
 from ..quants import GGMLType, dequantize
@@ -41,9 +41,9 @@ def _tile_rows(dst, pool, salt):
 
 def tile_rows(dst, pool, salt: int, stream=0) -> None:
     """dst [R, B] <- rows of pool [P, B] (device arrays of uint32 or uint8 words)."""
-    # (the simulator: two blocks of 32 threads, as step_kernels' grid-stride launches; 256
-    # threads a word took most of a simulated bench's time to build the tiny model's weights)
-    nt, most = (32, 2) if device.SIMULATOR else (256, 65535)
+    # (256 threads a word took most of a simulated bench's time to build the tiny model's
+    # weights: the simulator's shape is two blocks of 32 threads)
+    nt, most = grid_stride_shape(65535)
     blocks = min(cdiv(dst.shape[0] * dst.shape[1], nt), most)
     _tile_rows[blocks, nt, stream](dst, pool, np.uint32(salt % 2**32))
 
