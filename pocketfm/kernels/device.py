@@ -19,6 +19,10 @@ from numba import cuda
 from . import pdl
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+if SIMULATOR:  # a block's simulated threads take turns (sim_blocks.py: CI lane A's speed)
+    from . import sim_blocks
+
+    sim_blocks.install()
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 
