@@ -187,3 +187,16 @@ def test_workspace_carving():
             flat2.copy_to_host()[:n].view(np.float16).reshape(64, K)[:R], hi)
     finally:
         hmma.use_workspace(stream, None)
+
+
+@pytest.mark.skipif(not hmma.SIMULATOR, reason="the simulator's emulation of fma.rn.f16x2")
+def test_simulated_f16_pair_fma_is_numpys():
+    """The fast struct-based emulation rounds as the NumPy form, overflow to inf included."""
+    rng = fresh_rng()
+    words = rng.integers(0, 2 ** 32, (20000, 3), dtype=np.uint64)
+    finite = (((words >> 10) & 0x1F) != 0x1F) & (((words >> 26) & 0x1F) != 0x1F)  # no inf / NaN
+    cases = [tuple(int(v) for v in w) for w in words[finite.all(axis=1)]]
+    cases += [(0x7BFF7BFF, 0x7BFF7BFF, 0), (0x7BFF3C00, 0x40003C00, 0x7BFF0000)]  # overflows
+    for a, b, c in cases:
+        assert hmma._hfma2(a, b, c) == hmma._hfma2_numpy(a, b, c), (hex(a), hex(b), hex(c))
+    assert hmma._hfma2(0x7BFF7BFF, 0x7BFF7BFF, 0) == 0x7C007C00  # (inf, inf)
