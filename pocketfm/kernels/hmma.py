@@ -16,12 +16,14 @@ in shared memory. x splits into two float16 limbs:
 and K step, ran 5-30% slower than this on the H200; git history has that kernel.) A K step
 of 32 columns is four MMAs chained on one float32 C (codes · hi and codes · lo, two 16-column
 halves), then one multiply-add per output:
-    Q8_0, IQ2_XXS  acc += d_row · C                        (d_row: the row's 32-column scale)
-    Q2_K           acc += d · C - dmin · (m0·Σx'_0 + m1·Σx'_1)
+    Q8_0, IQ2_XXS, Q2_K  acc += d · C         (d: the row's scale of the step's 32 columns)
 and the store multiplies by 2^-p (F16: the weights are the pairs, scale 1; the ds4 mix's
 compressors, indexer and router, which mma.py's split kernel ran 3-4x slower on the H200, with x
-to 16 bits). Q2_K's 4-bit sub-block scale is folded into the codes
-(q·sc <= 45) and its mins use the sums of x' per 16 columns, which the x preparation makes.
+to 16 bits). Q2_K's 4-bit sub-block scale is folded into the codes (q·sc <= 45); its mins
+term, -dmin · Σ m·Σx' over a 256-column super-block's 16 sub-blocks, is a pair of MMAs a
+super-block of its own (A: the mins, exact in float16; B: the tokens' sums of x' per 16
+columns, /16 as two float16 limbs, which the x preparation makes): on the H200 the routed down
+took 2.02 ms instead of 2.37 with two FFMAs an output and K step (BENCHMARKS 2026-12-05).
 
 Codes to float16 pairs: two bytes b go into the low bytes of two halves whose high byte is
 0x64 (prmt): the halves are 1024 + b; one fma.f16x2 takes 1024 away (1152 for signed bytes,
@@ -65,7 +67,8 @@ from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, stream_buffer
 from .gemv import _bits_f32, _dummies, gemv_ref
 from .gemv_lowbit import swiglu_scalar
-from .lowbit_layout import _GRID_U64, _f32_bits, _half, _iq2_xxs_signed, _prmt
+from .lowbit_layout import (_GRID_U64, _Q2K_SC_ORDER, _f32_bits, _half, _iq2_xxs_signed,
+                            _prmt)
 from .mma import ALIGNED, _device_const, _mma_f16, _next_expert, _no_tiles, _tile_rows
 from .qweight import QWeight
 
@@ -76,8 +79,7 @@ BN = 8 * NI  # 32 tokens a block (and 64·mi rows)
 CH = 256  # columns of x staged in shared memory at a time (8 K steps)
 BATCH = 8  # staging words a thread has in flight at once (of CH / 16)
 XW = CH // 4 + 4  # a token's staged uint64 words, padded: the fragment reads hit distinct banks
-XM_W = CH // 16  # a token's staged sums
-XM_T = XM_W // 4  # ... a thread's
+XM_W = CH // 32  # a token's staged sum words (Q2_K: one super-block's 16 sums, two limbs)
 XCH = 128 * 6 if SIMULATOR else 1  # simulator MMA exchange: 6 fragment words per thread
 PREP = 128  # x preparation: threads per block (one block a row)
 PREP_ILP = 8  # ... and values a thread loads at once for the row's largest magnitude
@@ -142,8 +144,8 @@ def _word_pairs(w, signed):
 # ---- A fragments per type ------------------------------------------------------------------------
 # Lane c of a quad owns the 8 consecutive columns 8c .. 8c+7 of the K step (see the docstring).
 # load(planes, e, n, k0, c) -> raw words (loads only: issued a K step ahead);
-# frag(raw, tab, c, k0) -> (4 float16 code pairs of columns 8c.., scale, then Q2_K's dmin·m of
-# the step's two sub-blocks (zeros for the other types), 0) of row n.
+# frag(raw, tab, c, k0) -> (4 float16 code pairs of columns 8c.., the step's scale) of row n
+# (Q2_K's mins: a super-block's MMA of their own, _q2_k_mins_tile).
 @cuda.jit(device=True)
 def _q8_0_load(planes, e, n, k0, c):
     qs, d = planes  # qs viewed as uint64: 8 codes a word
@@ -154,8 +156,7 @@ def _q8_0_load(planes, e, n, k0, c):
 def _q8_0_frag(raw, tab, c, k0):
     w, d = raw
     p0, p1, p2, p3 = _word_pairs(w, True)
-    z = float32(0)
-    return p0, p1, p2, p3, float32(d), z, z, z
+    return p0, p1, p2, p3, float32(d)
 
 
 @cuda.jit(device=True)
@@ -169,8 +170,7 @@ def _f16_load(planes, e, n, k0, c):
 def _f16_frag(raw, tab, c, k0):
     """F16 weights are their own float16 pairs, scale 1 (exact: as the codes types' codes)."""
     w0, w1 = raw
-    z = float32(0)
-    return _half(w0, 0), _half(w0, 1), _half(w1, 0), _half(w1, 1), float32(1), z, z, z
+    return _half(w0, 0), _half(w0, 1), _half(w1, 0), _half(w1, 1), float32(1)
 
 
 # IQ2_XXS: the 256 grid rows as 8 magnitude bytes (8, 25, 43; lowbit_layout's uint64 words,
@@ -191,9 +191,8 @@ def _iq2_xxs_frag(raw, tab, c, k0):
     c0, c1 = _iq2_xxs_signed(tab[(grids >> uint32(8 * c)) & uint32(255)], sw, c)  # row c
     p0, p1 = _code_pairs(c0, True)
     p2, p3 = _code_pairs(c1, True)
-    z = float32(0)
     db = float32(d) * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
-    return p0, p1, p2, p3, db, z, z, z
+    return p0, p1, p2, p3, db
 
 
 @cuda.jit(device=True)
@@ -211,20 +210,46 @@ def _q2_k_load(planes, e, n, k0, c):
     s, h = uint32(k0 >> 8), uint32((k0 >> 7) & 1)
     w = uint32(4) * s + uint32(2) * h  # unsigned indices: no negative-index wrap code
     return (qs[e, n, uint32(8) * s + uint32(4) * h + uint32(c)], sc[e, n, w],
-            sc[e, n, w + uint32(1)], dm[e, n, uint32(2) * s], dm[e, n, uint32(2) * s + uint32(1)])
+            sc[e, n, w + uint32(1)], dm[e, n, uint32(2) * s])
 
 
 @cuda.jit(device=True)
 def _q2_k_frag(raw, tab, c, k0):
-    w, sc0, sc1, d, dmin = raw
-    j = (k0 >> 5) & 3
-    b0 = int32((sc0 >> uint32(8 * j)) & uint32(255))
-    b1 = int32((sc1 >> uint32(8 * j)) & uint32(255))
+    w, sc0, sc1, d = raw
+    j = uint32((k0 >> 5) & 3)
+    sc = (sc0 if c < 2 else sc1) >> (uint32(8) * j)  # columns 0-15: sub-block word 2h, else 2h+1
     q = (w >> uint64(2 * j)) & uint64(0x0303030303030303)
-    v = q * uint64((b0 if c < 2 else b1) & 15)  # q·sc <= 45: no carry between bytes
+    v = q * uint64(sc & uint32(15))  # q·sc <= 45: no carry between bytes
     p0, p1, p2, p3 = _word_pairs(v, False)
-    dm = float32(dmin)  # the two sub-blocks' dmin · m, once a row rather than once an output
-    return p0, p1, p2, p3, float32(d), dm * float32(b0 >> 4), dm * float32(b1 >> 4), float32(0)
+    return p0, p1, p2, p3, float32(d)
+
+
+@cuda.jit(device=True)
+def _q2_k_mins_load(planes, e, n, kc, c):
+    """Row n's mins of the super-block at column kc, for lane c: scale word c (4 bytes, the
+    sub-blocks of lane-slot positions 4c .. 4c+3, mins in the high nibbles) and dmin."""
+    qs, sc, dm = planes
+    s = uint32(kc >> 8)
+    return sc[e, n, uint32(4) * s + uint32(c)], dm[e, n, uint32(2) * s + uint32(1)]
+
+
+@cuda.jit(device=True)
+def _q2_k_mins_tile(acc, q, ra, rb, hw, lw, xch):
+    """acc[q ..] -= Σ over the super-block's 16 sub-blocks of dmin·m·Σx' for a 16-row x
+    8-token tile, as two MMAs: A the mins m (exact in float16) of rows g and g + 8 (raw mins
+    words ``ra``, ``rb``), B the tokens' Σx'/16 limbs (``hw``, ``lw``: staged words)."""
+    wa, da = ra
+    wb, db = rb
+    a0, a1 = _code_pairs((wa >> uint32(4)) & uint32(0x0F0F0F0F), False)
+    b0, b1 = _code_pairs((wb >> uint32(4)) & uint32(0x0F0F0F0F), False)
+    z = float32(0)
+    d0, d1, d2, d3 = _mma_f16(a0, b0, a1, b1, _half(hw, 0), _half(hw, 1), z, z, z, z, xch)
+    d0, d1, d2, d3 = _mma_f16(a0, b0, a1, b1, _half(lw, 0), _half(lw, 1), d0, d1, d2, d3, xch)
+    fa, fb = float32(16) * float32(da), float32(16) * float32(db)  # (B holds Σx' / 16)
+    acc[q] -= fa * d0
+    acc[q + 1] -= fa * d1
+    acc[q + 2] -= fb * d2
+    acc[q + 3] -= fb * d3
 
 
 # ---- x: a power-of-two row scale, two float16 limbs ----------------------------------------------
@@ -235,9 +260,25 @@ def _row_scale(m):
     return _bits_f32(uint32(268 - e) << uint32(23))
 
 
+@cuda.jit(device=True)
+def _store_sum(xsum, b, gi, t):
+    """Σx' ``t`` of 16-column group gi of row b into xsum[b] (float16): t / 16 as two limbs
+    (|t| / 16 < 2^15), in Q2_K's lane-slot order so that a lane's B fragment is two words.
+    Super-block s's 16 groups take halves 32s .. 32s + 31: uint64 word 2c the high limbs of
+    lane-slot positions 4c .. 4c + 3, word 2c + 1 their low limbs; sub-block 8h + 2j + u sits
+    at position 4(2h + u) + j (lowbit_layout._Q2K_SC_ORDER, the order of the scale bytes)."""
+    sb = gi & 15
+    i = 32 * (gi >> 4) + 8 * (2 * (sb >> 3) + (sb & 1)) + ((sb >> 1) & 3)
+    v = t * float32(0.0625)
+    h = float16(v)
+    xsum[b, i] = h
+    xsum[b, i + 4] = float16(v - float32(h))
+
+
 def _prep_kernel(value):
     """Grid (R,), PREP threads: row b of x (``value(src, w, clamp, b, i)``) as 2^p · x in two
-    float16 limbs, Σ per 16 columns of 2^p · x, and 2^-p. Two passes over the row: its largest
+    float16 limbs, Σ per 16 columns of 2^p · x (rows of whole 256-column super-blocks:
+    _store_sum), and 2^-p. Two passes over the row: its largest
     magnitude (PREP_ILP loads in flight a thread), then 16·PREP columns at a time the limbs
     (coalesced) with the scaled values parked in shared memory, from which thread i sums group
     i of the pass in column order. (The first build read each value three times, one load in
@@ -275,11 +316,11 @@ def _prep_kernel(value):
                     xl[b, kc + i] = float16(got[u] - float32(h))
                     vals[(i >> 4) * 17 + (i & 15)] = got[u]
             cuda.syncthreads()
-            if kc + 16 * tid < K:
+            if kc + 16 * tid < K and K % 256 == 0:
                 t = float32(0)
                 for i in range(16):
                     t += vals[tid * 17 + i]
-                xsum[b, (kc >> 4) + tid] = t
+                _store_sum(xsum, b, (kc >> 4) + tid, t)
             cuda.syncthreads()
         if tid == 0:
             xs[b] = float32(1) / scale
@@ -327,8 +368,8 @@ _CARVED: dict = {}
 
 
 class XLimbs(tuple):
-    """(xh, xl, xsum, xs) as prepare_x returns them, with ``words``: the limbs as the uint64
-    views the GEMM kernel reads (made once with the buffers, not per launch)."""
+    """(xh, xl, xsum, xs) as prepare_x returns them, with ``words``: the limbs and the sums as
+    the uint64 views the GEMM kernel reads (made once with the buffers, not per launch)."""
     words: tuple
 
 
@@ -358,21 +399,22 @@ def _x_buffers(stream, rows: int, K: int) -> XLimbs:
         flat, n, m = ws[1], cap * K // 2, cap * (K // 16)
         bufs = XLimbs((flat[:n].view(np.float16).reshape(cap, K)[:rows],
                        flat[n:2 * n].view(np.float16).reshape(cap, K)[:rows],
-                       flat[2 * n:2 * n + m].reshape(cap, K // 16)[:rows],
+                       flat[2 * n:2 * n + m].view(np.float16).reshape(cap, K // 8)[:rows],
                        flat[2 * n + m:2 * n + m + cap][:rows]))
     else:
         bufs = XLimbs((stream_buffer("hmma x hi", stream, (cap, K), np.float16)[:rows],
                        stream_buffer("hmma x lo", stream, (cap, K), np.float16)[:rows],
-                       stream_buffer("hmma x sums", stream, (cap, K // 16), np.float32)[:rows],
+                       stream_buffer("hmma x sums", stream, (cap, K // 8), np.float16)[:rows],
                        stream_buffer("hmma x scales", stream, (cap,), np.float32)[:rows]))
-    bufs.words = (bufs[0].view(np.uint64), bufs[1].view(np.uint64))
+    bufs.words = tuple(a.view(np.uint64) for a in bufs[:3])
     _CARVED[key] = (stream, bufs)
     return bufs
 
 
 def prepare_x(x, stream=0):
-    """x float32 [R, K] -> (xh, xl float16 [R, K]: 2^p·x ≈ xh + xl, p per row; xsum float32
-    [R, K/16]: Σ 2^p·x per 16 columns; xs float32 [R]: 2^-p)."""
+    """x float32 [R, K] -> (xh, xl float16 [R, K]: 2^p·x ≈ xh + xl, p per row; xsum float16
+    [R, K/8]: Σ 2^p·x per 16 columns / 16 as two limbs in Q2_K's order (_store_sum; written
+    when K is whole 256-column super-blocks); xs float32 [R]: 2^-p)."""
     R, K = x.shape
     bufs = _x_buffers(stream, R, K)
     one = _dummies()[0]
@@ -441,7 +483,7 @@ def _stage_words(dst_h, dst_l, hrow, lrow, j, q, base, last, keep, nw, FULL):
 @cuda.jit(device=True)
 def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
     """The tile's x for columns [kc, kc + CH) into shared memory: the limbs' words (4 columns a
-    uint64) and (Q2_K) Σx' per 16 columns; zeros for entries not in this pass. Four threads a
+    uint64) and (Q2_K) the super-block's Σx' words; zeros for entries not in this pass. Four threads a
     token (thread q of a token: words q, q + 4, ..., so a token's 32 bytes are one load)."""
     tid = cuda.threadIdx.x
     j, q = uint32(tid >> 2), uint32(tid & 3)
@@ -455,19 +497,16 @@ def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
         _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, True)
     else:
         _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, False)
-    if MINS:
+    if MINS:  # the super-block's 8 sum words (Q2_K: K is whole super-blocks)
         srow = xsum[max(r, 0)]
-        mv = cuda.local.array(XM_T, float32)
-        for u in range(XM_T):
-            i = uint64(kc >> 4) + uint64(q + uint32(4 * u))
-            mv[u] = srow[min(i, uint64(xsum.shape[1] - 1))]
-        for u in range(XM_T):
-            w = q + uint32(4 * u)
-            xm_s[j, w] = mv[u] if r >= 0 and uint32(4) * w < nw else float32(0)
+        i = uint64(kc >> 5) + uint64(2) * uint64(q)
+        v0, v1 = srow[i], srow[i + uint64(1)]
+        xm_s[j, uint32(2) * q] = v0 & keep
+        xm_s[j, uint32(2) * q + uint32(1)] = v1 & keep
 
 
 @cuda.jit(device=True)
-def _k_step(acc, q, a, b, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch):
+def _k_step(acc, q, a, b, h1, h2, l1, l2, xch):
     """One 16-row x 8-token tile's K step: C = codes · (hi + lo) over the step's 32 columns
     (four chained MMAs), then acc[q ..] += the rows' scales times C (``a``, ``b``: the frag
     tuples of rows g and g + 8)."""
@@ -480,27 +519,10 @@ def _k_step(acc, q, a, b, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch):
                               d3, xch)
     d0, d1, d2, d3 = _mma_f16(a[2], b[2], a[3], b[3], _half(l2, 0), _half(l2, 1), d0, d1, d2,
                               d3, xch)
-    if MINS:
-        v0, v1 = xm_s[jc0, 2 * ks], xm_s[jc0, 2 * ks + 1]
-        w0, w1 = xm_s[jc0 + 1, 2 * ks], xm_s[jc0 + 1, 2 * ks + 1]
-        # three multiply-adds an output (a[5], a[6]: dmin · m of the step's two sub-blocks)
-        acc[q] += a[4] * d0
-        acc[q] -= a[5] * v0
-        acc[q] -= a[6] * v1
-        acc[q + 1] += a[4] * d1
-        acc[q + 1] -= a[5] * w0
-        acc[q + 1] -= a[6] * w1
-        acc[q + 2] += b[4] * d2
-        acc[q + 2] -= b[5] * v0
-        acc[q + 2] -= b[6] * v1
-        acc[q + 3] += b[4] * d3
-        acc[q + 3] -= b[5] * w0
-        acc[q + 3] -= b[6] * w1
-    else:
-        acc[q] += a[4] * d0
-        acc[q + 1] += a[4] * d1
-        acc[q + 2] += b[4] * d2
-        acc[q + 3] += b[4] * d3
+    acc[q] += a[4] * d0
+    acc[q + 1] += a[4] * d1
+    acc[q + 2] += b[4] * d2
+    acc[q + 3] += b[4] * d3
 
 
 def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **opts):
@@ -512,7 +534,7 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
 
     @cuda.jit(device=True)
     def steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c, g, tab, kc, K, xh_s, xl_s,
-              xm_s, busy, xch, ALL):
+              busy, xch, ALL):
         """The K steps of the staged chunk at kc for the warp's 2 x 4 tiles; the next step's
         weight words (r0 .. r3, rows n0 .. n3) come back. Unless ALL, the 8-token tiles not in
         ``busy`` are skipped (a branch each: the kernel takes ALL when all are busy)."""
@@ -524,20 +546,18 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
                 r1 = load(planes, e, n1, k0 + KT, c)
                 r2 = load(planes, e, n2, k0 + KT, c)
                 r3 = load(planes, e, n3, k0 + KT, c)
-            kw, ks = (k0 - kc) >> 2, (k0 - kc) >> 5
+            kw = (k0 - kc) >> 2
             for ni in range(NI):
                 if ALL or (busy >> ni) & 1:
                     jb = ni * 8 + g
                     h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
                     l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
-                    jc0 = ni * 8 + 2 * c
-                    _k_step(acc, ni * 4, f0, f1, h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch)
-                    _k_step(acc, (NI + ni) * 4, f2, f3, h1, h2, l1, l2, xm_s, jc0, ks, MINS,
-                            xch)
+                    _k_step(acc, ni * 4, f0, f1, h1, h2, l1, l2, xch)
+                    _k_step(acc, (NI + ni) * 4, f2, f3, h1, h2, l1, l2, xch)
         return r0, r1, r2, r3
 
     @cuda.jit(device=True)
-    def steps4(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, ALL):
+    def steps4(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy, xch, ALL):
         """As steps for 4 x 4 tiles: rows nn[0 .. 7], their next weight words rr[0 .. 7]."""
         r0, r1, r2, r3, r4, r5, r6, r7 = rr
         for k0 in range(kc, min(kc + CH, K), KT):
@@ -547,31 +567,61 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
             f6, f7 = frag(r6, tab, c, k0), frag(r7, tab, c, k0)
             if k0 + KT < K:
                 r0, r1, r2, r3, r4, r5, r6, r7 = _loads8(planes, e, nn, k0 + KT, c)
-            kw, ks = (k0 - kc) >> 2, (k0 - kc) >> 5
+            kw = (k0 - kc) >> 2
             ff = (f0, f1, f2, f3, f4, f5, f6, f7)
             # one call per token tile with a literal ni: the accumulators' indices are then
             # constants and acc stays in registers (a loop over ni left it in local memory)
-            _tile4(acc, 0, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
-            _tile4(acc, 1, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
-            _tile4(acc, 2, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
-            _tile4(acc, 3, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL)
+            _tile4(acc, 0, ff, g, c, kw, xh_s, xl_s, busy, xch, ALL)
+            _tile4(acc, 1, ff, g, c, kw, xh_s, xl_s, busy, xch, ALL)
+            _tile4(acc, 2, ff, g, c, kw, xh_s, xl_s, busy, xch, ALL)
+            _tile4(acc, 3, ff, g, c, kw, xh_s, xl_s, busy, xch, ALL)
         return r0, r1, r2, r3, r4, r5, r6, r7
 
     @cuda.jit(device=True)
-    def _tile4(acc, ni, ff, g, c, kw, ks, xh_s, xl_s, xm_s, busy, xch, ALL):
+    def _tile4(acc, ni, ff, g, c, kw, xh_s, xl_s, busy, xch, ALL):
         """Token tile ni of a K step for the warp's four row tiles (frags ff)."""
         if ALL or (busy >> ni) & 1:
             jb = ni * 8 + g
             h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
             l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
-            jc0 = ni * 8 + 2 * c
-            _k_step(acc, ni * 4, ff[0], ff[1], h1, h2, l1, l2, xm_s, jc0, ks, MINS, xch)
-            _k_step(acc, (NI + ni) * 4, ff[2], ff[3], h1, h2, l1, l2, xm_s, jc0, ks, MINS,
-                    xch)
-            _k_step(acc, (2 * NI + ni) * 4, ff[4], ff[5], h1, h2, l1, l2, xm_s, jc0, ks, MINS,
-                    xch)
-            _k_step(acc, (3 * NI + ni) * 4, ff[6], ff[7], h1, h2, l1, l2, xm_s, jc0, ks, MINS,
-                    xch)
+            _k_step(acc, ni * 4, ff[0], ff[1], h1, h2, l1, l2, xch)
+            _k_step(acc, (NI + ni) * 4, ff[2], ff[3], h1, h2, l1, l2, xch)
+            _k_step(acc, (2 * NI + ni) * 4, ff[4], ff[5], h1, h2, l1, l2, xch)
+            _k_step(acc, (3 * NI + ni) * 4, ff[6], ff[7], h1, h2, l1, l2, xch)
+
+    @cuda.jit(device=True)
+    def _mins_col(acc, ni, mw, xm_s, g, c, busy, xch, ALL):
+        """Q2_K: token tile ni's super-block mins for the warp's row tiles (mw: the rows' mins
+        words, _mins_loads)."""
+        if ALL or (busy >> ni) & 1:
+            jb = ni * 8 + g
+            hw, lw = xm_s[jb, 2 * c], xm_s[jb, 2 * c + 1]
+            _q2_k_mins_tile(acc, ni * 4, mw[0], mw[1], hw, lw, xch)
+            _q2_k_mins_tile(acc, (NI + ni) * 4, mw[2], mw[3], hw, lw, xch)
+            if mi == 4:
+                _q2_k_mins_tile(acc, (2 * NI + ni) * 4, mw[4], mw[5], hw, lw, xch)
+                _q2_k_mins_tile(acc, (3 * NI + ni) * 4, mw[6], mw[7], hw, lw, xch)
+
+    @cuda.jit(device=True)
+    def _mins(acc, mw, xm_s, g, c, busy, xch, ALL):
+        # one call per token tile with a literal ni (acc's indices constant: see steps4)
+        _mins_col(acc, 0, mw, xm_s, g, c, busy, xch, ALL)
+        _mins_col(acc, 1, mw, xm_s, g, c, busy, xch, ALL)
+        _mins_col(acc, 2, mw, xm_s, g, c, busy, xch, ALL)
+        _mins_col(acc, 3, mw, xm_s, g, c, busy, xch, ALL)
+
+    @cuda.jit(device=True)
+    def _mins_loads(planes, e, nn, kc, c):
+        """The mins words of the warp's rows nn for the super-block at kc."""
+        if mi == 2:
+            return (_q2_k_mins_load(planes, e, nn[0], kc, c),
+                    _q2_k_mins_load(planes, e, nn[1], kc, c),
+                    _q2_k_mins_load(planes, e, nn[2], kc, c),
+                    _q2_k_mins_load(planes, e, nn[3], kc, c))
+        return (_q2_k_mins_load(planes, e, nn[0], kc, c), _q2_k_mins_load(planes, e, nn[1], kc, c),
+                _q2_k_mins_load(planes, e, nn[2], kc, c), _q2_k_mins_load(planes, e, nn[3], kc, c),
+                _q2_k_mins_load(planes, e, nn[4], kc, c), _q2_k_mins_load(planes, e, nn[5], kc, c),
+                _q2_k_mins_load(planes, e, nn[6], kc, c), _q2_k_mins_load(planes, e, nn[7], kc, c))
 
     @cuda.jit(device=True)
     def _loads8(planes, e, nn, k0, c):
@@ -581,15 +631,14 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
                 load(planes, e, nn[6], k0, c), load(planes, e, nn[7], k0, c))
 
     @cuda.jit(device=True)
-    def _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch, ALL):
+    def _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy, xch, ALL):
         """The K steps of a staged chunk for this kernel's mi (rr: the next weight words)."""
         if mi == 2:
             r0, r1, r2, r3 = rr
             n0, n1, n2, n3 = nn
             return steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c, g, tab, kc, K,
-                         xh_s, xl_s, xm_s, busy, xch, ALL)
-        return steps4(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s, busy, xch,
-                      ALL)
+                         xh_s, xl_s, busy, xch, ALL)
+        return steps4(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy, xch, ALL)
 
     @cuda.jit(device=True)
     def _first(planes, e, n_w, g, c, N):
@@ -616,7 +665,7 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
         xr = cuda.shared.array(BN, int32)  # x row of each tile entry in this pass, -1: none
         xh_s = cuda.shared.array((BN, XW), uint64)  # the chunk's hi limb words
         xl_s = cuda.shared.array((BN, XW), uint64)  # its lo limb words
-        xm_s = cuda.shared.array((BN, XM_W), float32)  # its Σx' per 16 columns (Q2_K)
+        xm_s = cuda.shared.array((BN, XM_W), uint64)  # its super-block's Σx' words (Q2_K)
         xch = cuda.shared.array(XCH, np.int64)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
@@ -642,15 +691,21 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
             # the weight words are loaded a K step ahead, into registers
             nn, rr = _first(planes, e, n_w, g, c, N)
             for kc in range(0, K, CH):
+                if MINS:  # (loads issued before the staging's, used after its barrier)
+                    mw = _mins_loads(planes, e, nn, kc, c)
                 cuda.syncthreads()  # xr is set; the last chunk's x is no longer read
                 _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS)
                 cuda.syncthreads()
                 if busy == (1 << NI) - 1:  # every tile busy: no per-tile branches
-                    rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s,
-                                  busy, xch, True)
+                    if MINS:
+                        _mins(acc, mw, xm_s, g, c, busy, xch, True)
+                    rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy,
+                                  xch, True)
                 else:
-                    rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, xm_s,
-                                  busy, xch, False)
+                    if MINS:
+                        _mins(acc, mw, xm_s, g, c, busy, xch, False)
+                    rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy,
+                                  xch, False)
             e_prev = e
         for m in range(mi):
             na = n_w + m * 16 + g
@@ -760,8 +815,8 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
     prepare_x_swiglu; ``order`` / ``tiles`` as in mma.gemm_mma (expert_order's)."""
     R, N, K = out.shape[0], w.rows, w.cols
     xh, xl, xsum, xs = x_limbs
-    wh, wl = x_limbs.words if isinstance(x_limbs, XLimbs) else (xh.view(np.uint64),
-                                                                 xl.view(np.uint64))
+    wh, wl, ws = (x_limbs.words if isinstance(x_limbs, XLimbs) else
+                  tuple(a.view(np.uint64) for a in (xh, xl, xsum)))
     assert supports(w) and out.shape[1] == N and xh.shape[1] == K, (out.shape, w, xh.shape)
     assert xh.shape[0] * x_div >= R, (xh.shape, x_div, R)
     per_token = ids is not None
@@ -772,7 +827,7 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
     gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
     kern, mi = _kernel_for(w.qtype, N, gy)
     kern[(cdiv(N, 64 * mi), gy), THREADS, stream](
-        out, _planes(w), wh, wl, xsum, xs,
+        out, _planes(w), wh, wl, ws, xs,
         ids if per_token else one, order if per_token else one,
         _no_tiles() if tiles is None else tiles, _table(w),
         ALIGNED if tiles is not None else int(per_token), x_div, N, K)
@@ -794,7 +849,8 @@ def gemm_hmma_ref(out, w: QWeight, x, ids=None, order=None, tiles=None, x_div: i
 
 
 def prepare_x_ref(x):
-    """(hi, lo float32 [R, K], sums float32 [R, K/16], inverse scales float32 [R]) of prepare_x."""
+    """(hi, lo float16 [R, K], sums float16 [R, K/8] (None unless K % 256 == 0), inverse
+    scales float32 [R]) of prepare_x."""
     x = np.asarray(x, np.float32)
     m = np.abs(x).max(axis=1)
     e = np.maximum((m.view(np.uint32) >> 23) & 255, 14).astype(np.uint32)
@@ -802,8 +858,22 @@ def prepare_x_ref(x):
     v = (x * scale[:, None]).astype(np.float32)
     hi = v.astype(np.float16)
     lo = (v - hi.astype(np.float32)).astype(np.float16)
-    sums = v.reshape(len(x), -1, 16).sum(axis=2, dtype=np.float32)
-    return hi, lo, sums, (np.float32(1) / scale).astype(np.float32)
+    return hi, lo, _sums_ref(v), (np.float32(1) / scale).astype(np.float32)
+
+
+def _sums_ref(v):
+    """_store_sum's layout of the sums per 16 columns of v float32 [R, K]."""
+    R, K = v.shape
+    if K % 256:
+        return None
+    t = (v.reshape(R, K // 256, 16, 16).sum(axis=3, dtype=np.float32)[:, :, _Q2K_SC_ORDER]
+         * np.float32(0.0625)).astype(np.float32)  # [R, super-block, position]
+    hi = t.astype(np.float16)
+    lo = (t - hi.astype(np.float32)).astype(np.float16)
+    out = np.empty((R, K // 256, 4, 2, 4), np.float16)  # [.., c, limb, j]: position 4c + j
+    out[:, :, :, 0] = hi.reshape(R, K // 256, 4, 4)
+    out[:, :, :, 1] = lo.reshape(R, K // 256, 4, 4)
+    return out.reshape(R, K // 8)
 
 
 # ---- CI lane B and benchmarks --------------------------------------------------------------------
@@ -815,14 +885,14 @@ _PLANES = {
 }
 PTX_SIGNATURES = [
     (kern, f"void(float32[:, ::1], {_PLANES[qt]}, uint64[:, ::1], uint64[:, ::1], "
-           "float32[:, ::1], float32[::1], int32[::1], int32[::1], int32[:, ::1], uint64[::1], "
+           "uint64[:, ::1], float32[::1], int32[::1], int32[::1], int32[:, ::1], uint64[::1], "
            "int64, int64, int64, int64)")
     for kernels in (_KERNELS, KERNELS_2) for qt, kern in kernels.items()] + [
-    (_prep_x, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
+    (_prep_x, "void(float16[:, ::1], float16[:, ::1], float16[:, ::1], float32[::1], "
               "float32[:, ::1], int32[::1], float32)"),
-    (_prep_x_swiglu, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
+    (_prep_x_swiglu, "void(float16[:, ::1], float16[:, ::1], float16[:, ::1], float32[::1], "
                      "float32[:, ::1], float32[::1], float32)")] + [
-    (kern, "void(float16[:, ::1], float16[:, ::1], float32[:, ::1], float32[::1], "
+    (kern, "void(float16[:, ::1], float16[:, ::1], float16[:, ::1], float32[::1], "
            "float32[:, :, ::1], int32[::1], float32)")
     for kern in (_prep_x_group_major, _prep_x_token_major)]
 

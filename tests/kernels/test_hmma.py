@@ -45,7 +45,7 @@ def _x(rng, R, K):
 
 def test_prepare_x_limbs_sums_and_scales():
     rng = fresh_rng()
-    x = _x(rng, 6, 96)
+    x = _x(rng, 6, 512)  # two super-blocks: the sums are written (Q2_K's)
     x[1] *= 1e-30  # a tiny row: its scale must bring it up
     x[2] *= 1e30  # a huge one: down, inside float16's range
     x[3] = 0  # an all-zero row
@@ -54,7 +54,17 @@ def test_prepare_x_limbs_sums_and_scales():
     np.testing.assert_array_equal(xs, inv)
     np.testing.assert_array_equal(xh, hi)
     np.testing.assert_array_equal(xl, lo)
-    np.testing.assert_allclose(xsum, sums, rtol=1e-6, atol=1e-6 * np.abs(sums).max())
+    # the sums / 16 as two float16 limbs in Q2_K's lane-slot order: the limbs' sum per entry
+    # (the kernel adds in column order, NumPy pairwise: a last-bit difference moves the split)
+    def joined(a):
+        a = a.astype(np.float32).reshape(6, 2, 4, 2, 4)
+        return a[:, :, :, 0] + a[:, :, :, 1]
+    got, want = joined(xsum), joined(sums)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    # ... and the order is the scale bytes': position 4c + j holds sub-block 8h + 2j + u
+    s16 = (hi.astype(np.float32) + lo.astype(np.float32)).reshape(6, 2, 16, 16).sum(axis=3)
+    assert np.allclose(want[:, 1, 3, 2] * 16, s16[:, 1, 8 + 4 + 1], rtol=1e-5,
+                       atol=1e-5 * np.abs(s16).max())  # c = 3: h = 1, u = 1; j = 2
     v = hi.astype(np.float32) + lo.astype(np.float32)
     m = np.abs(v).max(axis=1)
     assert ((m[[0, 1, 2, 4, 5]] >= 2 ** 14) & (m[[0, 1, 2, 4, 5]] < 2 ** 15)).all()
@@ -67,7 +77,7 @@ def test_prepare_x_in_group_and_token_major_order():
     # the grouped output projection's x read in place: the same limbs, sums and scales as
     # prepare_x of the transposed array (bit for bit: the same values in the same order)
     rng = fresh_rng()
-    T, G, n = 5, 3, 64
+    T, G, n = 5, 3, 256  # whole super-blocks: the sums are written too
     o = _x(rng, T * G, n).reshape(T, G, n)
     got = [a.copy_to_host() for a in hmma.prepare_x_group_major(cuda.to_device(o))]
     want = [a.copy_to_host() for a in
