@@ -261,8 +261,7 @@ class ChunkPrefill:
                          scratch=self.idx_scratch, stream=s, threads=nt)
         qi, qi_rot, w = self.qi[:T], self.qi_rot[:T], self.idx_w[:T]
         gemv(qi.reshape(T, HI * DI), L.idx_q_b, self.cq[:T], None, s, threads=nt)
-        rope(qi, qi, self.pos, L.freqs, False, s, threads=nt, **sim)
-        hadamard_fp4(qi_rot, qi, True, stream=s, threads=nt, **sim)
+        hadamard_fp4(qi_rot, qi, True, stream=s, threads=nt, rope=(self.pos, L.freqs), **sim)
         sk.scale(w, index_weight_scale(cfg), s)
         n_keys = max(1, self.end // c.ratio)  # entries visible to the chunk's last token
         key_ws = decode_keys(self.idx_keys, keys, n_keys, s) if decoded else None

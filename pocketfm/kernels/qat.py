@@ -28,7 +28,7 @@ from .. import ops
 from ..numerics import fp4_roundtrip, hadamard_matrix
 from . import device, norm_rope
 from .bench import BenchCase
-from .device import capture_graph, cdiv, device_fn
+from .device import capture_graph, cdiv, device_fn, xor_shfl
 from .kvpack import (bf16_decode, e2m1_decode, e4m3_decode, index_key_bytes, kv_entry_bytes,
                      pack_index_key_ref, pack_kv_ref, ue8m0_decode, unpack_kv_ref)
 
@@ -474,13 +474,87 @@ def _hadamard_fp4_shared(out, x, fp4, pos, freqs):
             out[t, hd, c] = v[c]
 
 
+_SHFL_SCRATCH = MAX_THREADS if device.SIMULATOR else 1  # xor_shfl's simulator exchange
+WARP_FORM_VECTORS = 1024  # fewest head vectors for which the launcher takes the warp kernel
+
+
+def _hadamard_fp4_warp_kernel(DI: int):
+    """The warp kernel for head vectors of DI (a power of two, 32 <= DI <= MAX_DI): a lane's
+    elements, the butterfly's stages and the shuffles are compile-time counts, so that every
+    index into the lane's array is a constant and the array lives in registers (with DI a
+    run-time value it went to local memory: 99 loads, 90 stores in the PTX)."""
+    PER = DI // 32  # a lane's consecutive elements
+    LOG_PER, LOG_DI = PER.bit_length() - 1, DI.bit_length() - 1
+    LOG_BLOCK_LANES = (FP4_BLOCK // PER).bit_length() - 1  # a 32-block's lanes: 2^this
+
+    def _hadamard_fp4_warp(out, x, fp4, pos, freqs):
+        """One warp per head vector, no barrier: lane L holds the PER consecutive elements
+        L·PER .. L·PER + PER - 1 in float64 (RoPE'd on the way in as _hadamard_fp4_shared
+        does); the butterfly's strides below PER pair elements of one lane, the others pair
+        lane L with lane L ^ (stride / PER) by a shuffle; a 32-block's maximum is a shuffle
+        max over its lanes. A warp past the last vector computes the last one and does not
+        store it (every thread reaches the simulator's exchange barriers)."""
+        scr = cuda.shared.array(_SHFL_SCRATCH, float64)
+        h = cuda.local.array(PER, float64)
+        T, H, _ = x.shape
+        lane = cuda.threadIdx.x % 32
+        i = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
+        ii = min(i, T * H - 1)
+        t = ii // H
+        hd = ii - t * H
+        c0 = lane * PER
+        nope = DI - 2 * freqs.shape[0]
+        for j in range(PER):
+            c = c0 + j
+            v0 = x[t, hd, c]
+            if c >= nope:  # (never, without freqs) partner c ^ 1: the same lane when PER > 1
+                v0 = norm_rope.rope_element(v0, x[t, hd, c ^ 1], pos[t],
+                                            freqs[(c - nope) // 2], c % 2 == 0, False)
+            h[j] = v0
+        for st in range(LOG_PER):  # strides inside a lane: pairs (j, j + s), j without bit s
+            s = 1 << st
+            for j in range(PER):
+                if (j & s) == 0:
+                    a, b = h[j], h[j + s]
+                    h[j] = a + b
+                    h[j + s] = a - b
+        for st in range(LOG_DI - LOG_PER):  # across lanes: the lane with bit m set holds
+            m = 1 << st                     # the pair's second half
+            upper = (lane & m) != 0
+            for j in range(PER):
+                o = xor_shfl(h[j], m, scr)
+                h[j] = o - h[j] if upper else h[j] + o
+        inv = 1.0 / math.sqrt(float(DI))
+        amax = 0.0
+        for j in range(PER):
+            h[j] = float32(h[j] * inv)  # the rotated vector is float32, as in the model
+            amax = max(amax, abs(h[j]))
+        e = 0
+        if fp4:
+            for st in range(LOG_BLOCK_LANES):
+                amax = max(amax, xor_shfl(amax, 1 << st, scr))
+            e = fp4_exp(amax)
+        if i < T * H:
+            for j in range(PER):
+                out[t, hd, c0 + j] = fp4_value(h[j], e) if fp4 else h[j]
+
+    _hadamard_fp4_warp.__name__ = _hadamard_fp4_warp.__qualname__ = f"_hadamard_fp4_warp_{DI}"
+    return device.kernel(_hadamard_fp4_warp)
+
+
+_HADAMARD_FP4_WARP = {di: _hadamard_fp4_warp_kernel(di) for di in (32, 64, 128, 256, 512)}
+
+
 def hadamard_fp4(out, x, fp4: bool, stream=0, threads=None, naive: bool = False,
-                 rope=None) -> None:
+                 rope=None, warp: bool | None = None) -> None:
     """out[T, H, DI] f32 <- x[T, H, DI] f32: orthonormal Hadamard per head vector, then (fp4)
     the e2m1 round-trip in blocks of 32 (spec §4.7; DI a power of two, 32 <= DI <= 512).
     ``rope`` (pos [T] int32, freqs [P] float64): x is RoPE'd first (forward) inside the same
-    launch (the decode's indexer query; x itself is left as it is; naive: a rope launch into
-    out, then the rotation in place)."""
+    launch (the indexer's query; x itself is left as it is; naive: a rope launch into out,
+    then the rotation in place). ``warp``: a warp a vector, else a block a vector; None takes
+    the warp kernel for WARP_FORM_VECTORS vectors or more (on the H200 a 2,048-token chunk's
+    131,072 queries in half the block kernel's time, while the decode's 64 ran faster a block
+    each, BENCHMARKS 2026-12-05)."""
     T, H, DI = x.shape
     if DI < FP4_BLOCK or DI > MAX_DI or DI & (DI - 1):
         raise ValueError(f"hadamard_fp4: DI={DI} must be a power of two in [32, {MAX_DI}]")
@@ -490,9 +564,17 @@ def hadamard_fp4(out, x, fp4: bool, stream=0, threads=None, naive: bool = False,
             norm_rope.rope(out, x, *rope, False, stream, naive=True)
             x = out  # (the serial kernel reads a vector whole before writing it)
         _hadamard_fp4_serial[cdiv(T * H, nt), nt, stream](out, x, int32(fp4))
+        return
+    pos, freqs = rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
+    if warp is None:
+        warp = T * H >= WARP_FORM_VECTORS
+    if warp:
+        nt = threads or 128
+        assert nt % 32 == 0 and nt <= MAX_THREADS
+        _HADAMARD_FP4_WARP[DI][cdiv(T * H, nt // 32), nt, stream](out, x, int32(fp4), pos,
+                                                                    freqs)
     else:
         nt = threads or min(DI, 128)
-        pos, freqs = rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
         _hadamard_fp4_shared[T * H, nt, stream](out, x, int32(fp4), pos, freqs)
 
 
@@ -552,6 +634,8 @@ PTX_SIGNATURES = [
     (_kv_unpack_elementwise, f"void({_F2}, {_U2}, int32)"),
     (_hadamard_fp4_serial, f"void({_F3}, {_F3}, int32)"),
     (_hadamard_fp4_shared, f"void({_F3}, {_F3}, int32, int32[::1], float64[::1])"),
+    *((k, f"void({_F3}, {_F3}, int32, int32[::1], float64[::1])")
+      for k in _HADAMARD_FP4_WARP.values()),
     (_index_key_pack_serial, f"void({_U2}, {_F2})"),
 ]
 
@@ -568,7 +652,8 @@ def repeat_graph(launch, stream, n: int = GRAPH_REPS):
 
 def bench_cases(stream) -> list[BenchCase]:
     """kv_pack for 1 and 512 entries (K=512, R=64), the kv round-trip for 512 entries, and the
-    indexer query rotation hadamard_fp4 on [1, 64, 128]; each a graph of GRAPH_REPS launches
+    indexer query rotation hadamard_fp4 (with its RoPE) on [1, 64, 128] and [2048, 64, 128],
+    by either fast kernel; each a graph of GRAPH_REPS launches
     (bytes and FLOPs counted for all of them)."""
     rng = np.random.default_rng(0)
     cases = []
@@ -586,8 +671,15 @@ def bench_cases(stream) -> list[BenchCase]:
     x = cuda.to_device(rng.normal(size=(512, K)).astype(np.float32), stream=stream)
     add(f"kv_roundtrip 512x{K} in place", lambda: kv_roundtrip(x, x, R, stream=stream),
         512 * K * 8, 512 * K * 4)
-    q = cuda.to_device(rng.normal(size=(1, 64, 128)).astype(np.float32), stream=stream)
-    qo = cuda.device_array_like(q, stream=stream)
-    add("hadamard_fp4 1x64x128", lambda: hadamard_fp4(qo, q, True, stream=stream),
-        2 * 4 * 64 * 128, 64 * 128 * (7 + 4))
+    from ..numerics import rope_frequencies
+    freqs = cuda.to_device(rope_frequencies(64, 160000.0, 16.0, 65536), stream=stream)
+    for T in (1, 2048):  # the decode's indexer query, and a prefill chunk's (RoPE'd first)
+        q = cuda.to_device(rng.normal(size=(T, 64, 128)).astype(np.float32), stream=stream)
+        qo = cuda.device_array_like(q, stream=stream)
+        pos = cuda.to_device(np.arange(262144, 262144 + T, dtype=np.int32), stream=stream)
+        for warp in (False, True):
+            add(f"hadamard_fp4 {T}x64x128 + rope, {'a warp' if warp else 'a block'} a vector",
+                lambda q=q, qo=qo, pos=pos, w=warp: hadamard_fp4(qo, q, True, stream=stream,
+                                                                 rope=(pos, freqs), warp=w),
+                2 * 4 * T * 64 * 128, T * 64 * 128 * (7 + 4))
     return cases

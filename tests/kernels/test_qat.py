@@ -104,15 +104,21 @@ def test_scalar_encoders_match_numpy():
 
 
 # ---- Hadamard + FP4 ---------------------------------------------------------------------------
-@pytest.mark.parametrize("naive", [False, True])
-@pytest.mark.parametrize("T,H,DI", [(2, 3, 64), (1, 2, 128)])
-def test_hadamard_fp4_matches_matrix_product(naive, T, H, DI):
+# the launcher's three kernels; the warp one with 4 warps a block, so that blocks have warps
+# past the last vector (which must not store)
+FORMS = dict(naive=dict(naive=True, threads=THREADS), block=dict(warp=False, threads=THREADS),
+             warp=dict(warp=True, threads=128))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("T,H,DI", [(2, 3, 64), (1, 2, 128), (3, 1, 32), (1, 1, 512)])
+def test_hadamard_fp4_matches_matrix_product(form, T, H, DI):
     rng = fresh_rng()
     x = (rng.normal(size=(T, H, DI)) * np.exp(rng.normal(size=(T, H, 1)) * 2)).astype(np.float32)
     dx = cuda.to_device(x)
     rot, q = poisoned(x.shape), poisoned(x.shape)
-    qat.hadamard_fp4(rot, dx, False, threads=THREADS, naive=naive)
-    qat.hadamard_fp4(q, dx, True, threads=THREADS, naive=naive)
+    qat.hadamard_fp4(rot, dx, False, **FORMS[form])
+    qat.hadamard_fp4(q, dx, True, **FORMS[form])
     rot, q = rot.copy_to_host(), q.copy_to_host()
     ref = np.empty(x.shape)
     qat.hadamard_fp4_ref(ref, x, False)
@@ -126,8 +132,8 @@ def test_hadamard_fp4_matches_matrix_product(naive, T, H, DI):
     assert flips <= max(1, x.size // 1000)
 
 
-@pytest.mark.parametrize("naive", [False, True])
-def test_hadamard_fp4_with_rope_first(naive):
+@pytest.mark.parametrize("form", FORMS)
+def test_hadamard_fp4_with_rope_first(form):
     """``rope=``: the decode's indexer query, RoPE'd on the way in = rope then the rotation."""
     from pocketfm.kernels import norm_rope
     from pocketfm.numerics import rope_frequencies
@@ -143,8 +149,8 @@ def test_hadamard_fp4_with_rope_first(naive):
     qat.hadamard_fp4_ref(ref, roped, False)
     dx, rope = cuda.to_device(x), (cuda.to_device(pos), cuda.to_device(freqs))
     rot, q = poisoned(x.shape), poisoned(x.shape)
-    qat.hadamard_fp4(rot, dx, False, threads=THREADS, naive=naive, rope=rope)
-    qat.hadamard_fp4(q, dx, True, threads=THREADS, naive=naive, rope=rope)
+    qat.hadamard_fp4(rot, dx, False, **FORMS[form], rope=rope)
+    qat.hadamard_fp4(q, dx, True, **FORMS[form], rope=rope)
     rot = rot.copy_to_host()
     assert rel_err(rot, ref) <= 1e-6
     assert np.array_equal(dx.copy_to_host(), x)  # x itself is not rotated
@@ -152,8 +158,8 @@ def test_hadamard_fp4_with_rope_first(naive):
     assert flips <= max(1, x.size // 1000)
 
 
-@pytest.mark.parametrize("naive", [False, True])
-def test_hadamard_fp4_ties_to_even(naive):
+@pytest.mark.parametrize("form", FORMS)
+def test_hadamard_fp4_ties_to_even(form):
     """DI = 64 makes 1/sqrt(DI) = 1/8 exact: choose the rotated vector y on FP4 ties, send
     x = y @ H (exact), and the kernel must see y exactly and round every tie to the even code."""
     rng = fresh_rng()
@@ -165,7 +171,7 @@ def test_hadamard_fp4_ties_to_even(naive):
     x = (y @ hadamard_matrix(DI)).astype(np.float32)
     assert np.array_equal(x.astype(np.float64) @ hadamard_matrix(DI), y)
     out = poisoned(x.shape)
-    qat.hadamard_fp4(out, cuda.to_device(x), True, threads=THREADS, naive=naive)
+    qat.hadamard_fp4(out, cuda.to_device(x), True, **FORMS[form])
     assert np.array_equal(out.copy_to_host(), fp4_roundtrip(y, 32).astype(np.float32))
 
 
