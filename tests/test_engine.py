@@ -1,9 +1,10 @@
 """The CUDA decode engine equals the NumPy forward (run in Numba's CUDA simulator in CI).
 
 A simulated step of the tiny model takes ~6 s (every GPU thread runs as Python; 13 s under
-numba's own block scheduler, see kernels/sim_blocks.py), so these tests use few tokens on a geometry shrunk to show every cache path within them: window 4 (the
-ring wraps), CSA ratio 4 with top-1 selection (two entries compete by token 8), HCA ratio 8
-(an entry at token 8), hash-routed and biased MoE layers.
+numba's own block scheduler, see kernels/sim_blocks.py), so these tests use few tokens on a
+geometry shrunk to show every cache path within them: window 4 (the ring wraps), CSA ratio 4
+with top-1 selection (two entries compete by token 8), HCA ratio 8 (an entry at token 8),
+hash-routed and biased MoE layers.
 """
 import json
 

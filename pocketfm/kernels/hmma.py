@@ -483,8 +483,9 @@ def _stage_words(dst_h, dst_l, hrow, lrow, j, q, base, last, keep, nw, FULL):
 @cuda.jit(device=True)
 def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
     """The tile's x for columns [kc, kc + CH) into shared memory: the limbs' words (4 columns a
-    uint64) and (Q2_K) the super-block's Σx' words; zeros for entries not in this pass. Four threads a
-    token (thread q of a token: words q, q + 4, ..., so a token's 32 bytes are one load)."""
+    uint64) and (Q2_K) the super-block's Σx' words; zeros for entries not in this pass. Four
+    threads a token (thread q of a token: words q, q + 4, ..., so a token's 32 bytes are one
+    load)."""
     tid = cuda.threadIdx.x
     j, q = uint32(tid >> 2), uint32(tid & 3)
     r = xr[j]
