@@ -3,7 +3,8 @@
 A chunk runs the decode step's sublayers with every activation [T, ...] instead of [1, ...]::
 
     embed        e[T] = token_embd[ids[p0 .. p0+T)]; X = 4 copies
-    per layer    HC pre, norms, q / kv as GEMMs over the chunk, RoPE at each token's position,
+    per layer    HC pre, norms, q / kv as GEMMs over the chunk, RoPE at each token's position
+                 (q's per-head norm and RoPE inside the attention's load of q),
                  kv packed into the chunk's 584 B entries; the compressors over the chunk
                  (compressor_chunk: every block the chunk completes, emitted into the caches);
                  on CSA layers the indexer scores each token's visible keys and keeps its
@@ -181,9 +182,8 @@ class ChunkPrefill:
             self._gemm(self.idx_w[:T], L.idx_proj, u, xu)
         rmsnorm(cq, cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
         gemv(q.reshape(T, H * K), L.q_b, cq, None, s, threads=nt)
-        q2 = q.reshape(T * H, K)
-        rmsnorm(q2, q2, eng.ones[:K], eps, False, s, threads=nt, **sim)  # weightless, per head
-        rope(q, q, self.pos, L.freqs, False, s, threads=nt, **sim)
+        # (q's per-head weightless RMSNorm and RoPE, and the output's inverse RoPE: inside
+        # the attention, ``q_norm_rope``)
         rmsnorm(kv, kv, L.kv_norm, eps, True, s, threads=nt, **sim)
         kv3 = kv.reshape(T, 1, K)
         rope(kv3, kv3, self.pos, L.freqs, False, s, threads=nt, **sim)
@@ -197,20 +197,19 @@ class ChunkPrefill:
         o = self.o[:T]
         args = (o, q, c.window, rows)
         scale = 1.0 / math.sqrt(K)
+        fold = dict(stream=s, threads=nt, keys=self.attn_keys,
+                    q_norm_rope=(eps, self.pos, L.freqs))
         if cfg.is_csa(i):
             sel = self._indexer(i, T, L, c)
             attention_prefill(*args, comp, sel, self.visible[c.ratio], 0, self.pos0, L.sinks,
-                              scale, stream=s, threads=nt, keys=self.attn_keys)
+                              scale, **fold)
         elif c.ratio:  # HCA: every visible entry
             attention_prefill(*args, comp, self.no_sel[:T], self.visible[c.ratio], 1,
-                              self.pos0, L.sinks, scale, stream=s, threads=nt,
-                              keys=self.attn_keys)
+                              self.pos0, L.sinks, scale, **fold)
         else:
             attention_prefill(*args, eng.no_comp, self.no_sel[:T], self.zeros_T[:T], 0,
-                              self.pos0, L.sinks, scale, stream=s, threads=nt,
-                              keys=self.attn_keys)
+                              self.pos0, L.sinks, scale, **fold)
         store_chunk_rows(c.window, rows, self.pos0, stream=s, threads=nt)
-        rope(o, o, self.pos, L.freqs, True, s, threads=nt, **sim)
         f = self.f[:T]
         self._output_projection(i, T, o, f)
         hc_post(X_out, f, X, self.post[:T], self.comb[:T], s, threads=nt, **sim)

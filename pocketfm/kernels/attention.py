@@ -554,7 +554,7 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
         return
     slots = window_packed.shape[0] + (comp_packed.shape[0] if all_visible else sel.shape[0])
     if (all_visible and not device.SIMULATOR) if mma is None else mma:
-        from .attention_prefill import MAX_MT, _mma_kernel, _no_keys
+        from .attention_prefill import MAX_MT, _mma_kernel, _no_keys, _no_rope
 
         kern, nt, smem = _mma_kernel(K, R, 1 if H <= 16 else MAX_MT, DEC=True)
         P, groups = mma_splits(H, slots, tiles_per_split)
@@ -563,7 +563,7 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
         kern[(P, groups), nt, stream, smem](
             part, q.reshape(1, H, K), win, win, comp_packed.view(np.uint64), _no_keys(K),
             sel.reshape(1, sel.shape[0]), n_comp_visible, int32(all_visible), n_window, sinks,
-            float32(scale))
+            float32(scale), *_no_rope(), float32(0.0))
     else:
         nt = threads or 256
         kern, smem = _split_kernel(K, R, nt)

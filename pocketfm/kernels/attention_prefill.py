@@ -50,6 +50,13 @@ The next tile's words (or rows) are requested right after step 1's barrier (in f
 during the MMAs), the key codes of the tile after that one tile earlier still (a CSA code
 reads sel first). Key-major rows are K/2 + 4 words long (4 mod 32), so the eight
 16-byte rows an ldmatrix reads fall in different banks.
+
+With ``q_norm_rope`` (the engine's prefill) q arrives as the q_b GEMM wrote it: a warp's
+lanes hold their q values raw until the block barrier before the first tile, the four
+quarters' sums of squares of each head meet in shared memory, and the token's cos / sin
+table is made by R/2 threads; then each value is normalised, rotated and split. The store
+rotates out back (the inverse RoPE). A chunk's q [T, H, K] is then read once, by the
+attention, instead of three more times (the norm's read and write, RoPE's) and out once less.
 """
 from __future__ import annotations
 
@@ -68,6 +75,7 @@ from .gemv import _bits_f32
 from .lowbit_layout import _f32_bits
 from .mma import (_cp_async16, _cp_async_commit, _cp_async_wait1, _ldsm_x4, _ldsm_x4_trans,
                   _mma_bf16, _split_pair)
+from .norm_rope import rmsnorm_rope, rope, rope_ref
 
 WIN, CHUNK, COMP = 0, 1, 2  # key sources; a tile slot's code is 4·row + source (-1: no key)
 # The tile kernel needs 156 registers unbounded (the decode kernel 128: three key sources and
@@ -78,12 +86,23 @@ _TILE_OPTS = {} if device.SIMULATOR else {"max_registers": 128}
 
 # ---- NumPy references (the spec) --------------------------------------------------------------
 def attention_prefill_ref(out, q, window_packed, chunk_packed, comp_packed, sel, n_comp_visible,
-                          all_visible, pos0, sinks, scale) -> None:
+                          all_visible, pos0, sinks, scale, q_norm_rope=None) -> None:
     """out[T, H, K] <- q[T, H, K]; window_packed[W, bytes] (the ring before the chunk),
     chunk_packed[T, bytes], comp_packed[Ncap, bytes] uint8 entries; sel[T, S] int32 (-1 =
     none), n_comp_visible[T] int32, pos0[1] int32; sinks[H]. The key list and a boolean mask
-    built in NumPy, then ops.sink_attention."""
+    built in NumPy, then ops.sink_attention. ``q_norm_rope`` (eps, pos[T], freqs[R/2]): q's
+    (token, head) rows first get the weightless RMSNorm and the RoPE at pos, out then the
+    inverse RoPE (the V4 attention's steps around it, spec §4.9), in q's precision."""
     T, H, K = q.shape
+    if q_norm_rope is not None:
+        eps, pos, freqs = (np.asarray(a) for a in q_norm_rope)
+        qn = np.empty_like(q)
+        ops.rmsnorm(qn, q, None, float(eps))
+        rope_ref(qn, qn, pos, freqs, False)
+        attention_prefill_ref(out, qn, window_packed, chunk_packed, comp_packed, sel,
+                              n_comp_visible, all_visible, pos0, sinks, scale)
+        rope_ref(out, out, pos, freqs, True)
+        return
     W = window_packed.shape[0]
     R = rope_dim_of(K, window_packed.shape[1])
     p0 = int(np.asarray(pos0).reshape(-1)[0])
@@ -397,7 +416,7 @@ def _decode_key_code(m, nwin, W, sel, all_visible, ncap):
 
 
 def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
-                KT: int = MKC):
+                KT: int = MKC, QF: bool = False):
     """(kernel, threads, dynamic shared bytes) of the tensor-core prefill attention for head
     dim K, R rope dims, MT m-tiles of 16 heads a block and KT key slots a tile (closure
     constants: literal offsets, register arrays of fixed size). ``DEC``: the decode form
@@ -406,12 +425,14 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
     layout): a token's compressed slots in whole tiles, then its window, each tile's rows
     copied by cp.async into one of two buffers (the next one in flight during this one's
     MMAs). (A separate build: the branches and the second buffer made the other forms ~15%
-    slower.)"""
-    key = (K, R, MT, DEC, PRE, KT)
+    slower.) ``QF``: q as the q_b GEMM left it: each (token, head) row's weightless RMSNorm
+    and its RoPE at qpos[t] applied as q is loaded, out's inverse RoPE as it is stored
+    (attention_prefill's ``q_norm_rope``)."""
+    key = (K, R, MT, DEC, PRE, KT, QF)
     if key in _MMAS:
         return _MMAS[key]
     if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT or \
-            KT not in (16, 32, 64) or DEC and KT != MKC:
+            KT not in (16, 32, 64) or DEC and (KT != MKC or QF):
         raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}, "
                          f"{KT} keys a tile")
     NOPE = K - R
@@ -431,6 +452,8 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
     LDP = KT // 2  # words per row of P (bf16 key pairs)
     NI = K // 32  # output n-tiles per warp (its K/4 dims, 8 each)
     NQ, NACC = 4 * SQ, 4 * NI  # (literals for cuda.local.array)
+    NP = max(R // 2, 1)  # QF: the token's rotated pairs (cos / sin tables in shared memory)
+    QSS = 4 * HG  # QF: the quarters' sums of squares, [quarter][head]
     # key-major rows of LDK words, 4 mod 32: the 8 16-byte rows an ldmatrix reads sit in
     # different banks
     LDK = K // 2 + 4
@@ -474,10 +497,11 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
 
     @device.kernel
     def _attention_prefill_mma(out, q, win, chunk, comp, keys, sel, n_comp, all_visible, pos0,
-                               sinks, scale):
+                               sinks, scale, qpos, freqs, eps):
         """out[t, h0 .. h0 + HG-1] for t = blockIdx.x, h0 = HG·blockIdx.y (module doc);
         win, chunk, comp: the packed entries as uint64 words; keys: comp's rows decoded
-        (uint32 bf16 pairs [rows, K/2]; read by the PRE build only, else a placeholder)."""
+        (uint32 bf16 pairs [rows, K/2]; read by the PRE build only, else a placeholder);
+        qpos [T] int32, freqs [R/2] float64, eps: read by the QF build only."""
         smem_u = cuda.shared.array(0, uint32)
         smem_f = cuda.shared.array(0, float32)  # the same bytes
         kcode = cuda.shared.array((3, KT), int32)  # tiles i, i+1, i+2 (at i % 3 ..)
@@ -495,16 +519,43 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
         mt, wq = w >> 2, w & 3  # the warp's m-tile (heads 16mt ..) and dim quarter
         hr = 16 * mt  # its first row of the block's heads
         zero = float32(0.0)
-        # q's A fragments for this warp's dims, scaled, hi + lo
+        # q's A fragments for this warp's dims, scaled, hi + lo (QF: q's float32 bits until
+        # the head's norm is known, after the first barrier; the quarters' sums of squares
+        # meet in qss, the token's cos / sin in qcs / qsn, as _rmsnorm_rope_rows makes them)
         qh = cuda.local.array(NQ, uint32)
         ql = cuda.local.array(NQ, uint32)
+        qss = cuda.shared.array(QSS, float32)
+        qcs = cuda.shared.array(NP, float32)
+        qsn = cuda.shared.array(NP, float32)
+        ss0, ss1 = zero, zero  # QF: rows g and g + 8 of this warp's m-tile
         for s in range(SQ):
             for r in range(4):  # (g, 2c), (g+8, 2c), (g, 2c+8), (g+8, 2c+8)
                 h = h0 + hr + g + 8 * (r & 1)
                 d = (K // 4) * wq + 16 * s + 2 * c + 8 * (r >> 1)
-                v0 = q[t, h, d] * scale if h < H else zero
-                v1 = q[t, h, d + 1] * scale if h < H else zero
-                qh[4 * s + r], ql[4 * s + r] = _split_pair(v0, v1)
+                if QF:
+                    v0 = q[t, h, d] if h < H else zero
+                    v1 = q[t, h, d + 1] if h < H else zero
+                    qh[4 * s + r], ql[4 * s + r] = _f32_bits(v0), _f32_bits(v1)
+                    if r & 1:
+                        ss1 += v0 * v0 + v1 * v1
+                    else:
+                        ss0 += v0 * v0 + v1 * v1
+                else:
+                    v0 = q[t, h, d] * scale if h < H else zero
+                    v1 = q[t, h, d + 1] * scale if h < H else zero
+                    qh[4 * s + r], ql[4 * s + r] = _split_pair(v0, v1)
+        if QF:
+            ss0 += xor_shfl(ss0, 1, shf)  # the row's 4 lanes (c)
+            ss0 += xor_shfl(ss0, 2, shf)
+            ss1 += xor_shfl(ss1, 1, shf)
+            ss1 += xor_shfl(ss1, 2, shf)
+            if c == 0:
+                qss[wq * HG + hr + g] = ss0
+                qss[wq * HG + hr + g + 8] = ss1
+            if tid < R // 2:
+                ang = float(qpos[t]) * freqs[tid]  # float64: positions reach 1M
+                qcs[tid] = math.cos(ang)
+                qsn[tid] = math.sin(ang)
         wv = cuda.local.array(NLD, uint64)  # the next tile's packed words, in flight
         sh = cuda.local.array(NSH, float32)  # score tiles: q hi (and lo, SPLIT) products
         sl = cuda.local.array(NSL, float32)  # (SPLIT: q lo's)
@@ -570,6 +621,23 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
             if tid < KT:
                 kscl[0, tid] = sw
         cuda.syncthreads()
+        if QF:  # q normalised, rotated, scaled, split (the sums and tables: before a barrier)
+            ra, rb = hr + g, hr + g + 8  # (a padded head's zeros stay: 0 bits are bf16 zeros)
+            inv0 = float32(1.0 / math.sqrt((qss[ra] + qss[HG + ra] + qss[2 * HG + ra]
+                                            + qss[3 * HG + ra]) / K + eps))
+            inv1 = float32(1.0 / math.sqrt((qss[rb] + qss[HG + rb] + qss[2 * HG + rb]
+                                            + qss[3 * HG + rb]) / K + eps))
+            for s in range(SQ):  # (constant bounds, no branch around an index: qh / ql stay
+                for r in range(4):  # in registers)
+                    d = (K // 4) * wq + 16 * s + 2 * c + 8 * (r >> 1)
+                    inv = inv1 if r & 1 else inv0
+                    v0 = _bits_f32(qh[4 * s + r]) * inv
+                    v1 = _bits_f32(ql[4 * s + r]) * inv
+                    if d >= NOPE:
+                        k = (d - NOPE) >> 1
+                        v0, v1 = v0 * qcs[k] - v1 * qsn[k], v0 * qsn[k] + v1 * qcs[k]
+                    if h0 + hr + g + 8 * (r & 1) < H:
+                        qh[4 * s + r], ql[4 * s + r] = _split_pair(v0 * scale, v1 * scale)
         for ti in range(max(0, (send - tb0 * KT + KT - 1) // KT)):
             cur, nxt = ti % 3, (ti + 1) % 3
             kb = KT0 + (ti & 1) * KTB if PRE else KT0  # this tile's buffer
@@ -742,13 +810,21 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
                 f = a / (smem_f[L0 + row] * a + float32(math.exp(z - M)))
                 for ni in range(NI):
                     d = (K // 4) * wq + 8 * ni + 2 * c
-                    out[t, h, d] = acc[4 * ni + 2 * r] * f
-                    out[t, h, d + 1] = acc[4 * ni + 2 * r + 1] * f
+                    o0 = acc[4 * ni + 2 * r] * f
+                    o1 = acc[4 * ni + 2 * r + 1] * f
+                    if QF and d >= NOPE:  # the inverse RoPE: the angle's sine negated
+                        k = (d - NOPE) >> 1
+                        sn = -qsn[k]
+                        o0, o1 = o0 * qcs[k] - o1 * sn, o0 * sn + o1 * qcs[k]
+                    out[t, h, d] = o0
+                    out[t, h, d + 1] = o1
 
     if DEC:
         _attention_prefill_mma.__name__ = "_attention_decode_mma"
     if PRE:
         _attention_prefill_mma.__name__ = "_attention_prefill_mma_decoded"
+    if QF:  # (its own name in a profile)
+        _attention_prefill_mma.__name__ += "_qnorm"
     _MMAS[key] = (_attention_prefill_mma, NT, 4 * WORDS)
     return _MMAS[key]
 
@@ -816,7 +892,8 @@ def _store_chunk_rows(win, chunk, pos0):
 # ---- launchers --------------------------------------------------------------------------------
 def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_comp_visible,
                       all_visible: int, pos0, sinks, scale: float, stream=0, threads=None,
-                      naive: bool = False, mma=None, keys=None, key_tile=None) -> None:
+                      naive: bool = False, mma=None, keys=None, key_tile=None,
+                      q_norm_rope=None) -> None:
     """out[T, H, K] f32 <- chunked-prefill sink attention of q[T, H, K] (see the module doc):
     window_packed[W, bytes] the ring before the chunk, chunk_packed[T, bytes] the chunk's own
     entries, comp_packed[Ncap, bytes]; sel[T, S] int32 (CSA; -1 = none; S = 1 of -1 for
@@ -832,22 +909,41 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     name rows below it (the engine's top-k picks among each token's visible rows); a row past
     it reads a stale workspace row.
     ``key_tile``: key slots a tile of the tensor-core kernel (16, 32 or 64; by default
-    KEY_TILE_PRE with ``keys``, else KEY_TILE)."""
+    KEY_TILE_PRE with ``keys``, else KEY_TILE).
+    ``q_norm_rope`` (eps, pos [T] int32, freqs [R/2] float64): q as the q_b GEMM left it. Each
+    (token, head) row gets the weightless RMSNorm and the RoPE at pos (norm_rope.rmsnorm_rope),
+    and out the inverse RoPE: the tensor-core kernel does both as it loads q and stores out,
+    which saves the prefill two passes over q and one over out a layer; the other forms run
+    those launches around the kernel, q normalised in place."""
     T, H, K = q.shape
     if T == 0:
         return
     R = rope_dim_of(K, window_packed.shape[1])
+    on_mma = (not device.SIMULATOR) if mma is None else mma
+    if q_norm_rope is not None and (naive or not on_mma):
+        eps, pos, freqs = q_norm_rope
+        serial = device.SIMULATOR  # (the serial forms, as the simulator's engine runs them)
+        rmsnorm_rope(q, q, sinks, eps, False, pos, freqs, stream, naive=serial)
+        attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel,
+                          n_comp_visible, all_visible, pos0, sinks, scale, stream, threads,
+                          naive, mma, keys, key_tile)
+        rope(out, out, pos, freqs, True, stream, naive=serial)
+        return
+    if q_norm_rope is not None and 2 * q_norm_rope[2].shape[0] != R:
+        raise ValueError(f"attention_prefill: freqs {q_norm_rope[2].shape}, need {R // 2} "
+                         f"pairs for {R} rope dims")
     args = (window_packed, chunk_packed, comp_packed)
     rest = (sel, n_comp_visible, int32(all_visible), pos0, sinks, float32(scale))
     if naive:
         nt = threads or 64
         _attention_prefill_naive[min(cdiv(T * H, nt), 4096), nt, stream](out, q, *args, *rest, R)
         return
-    if (not device.SIMULATOR) if mma is None else mma:
+    if on_mma:
         mt = 1 if H <= 16 else MAX_MT
         pre = keys is not None
         kt = key_tile or (KEY_TILE_PRE if pre else KEY_TILE)
-        kern, nt, smem = _mma_kernel(K, R, mt, PRE=pre, KT=kt)
+        fold = q_norm_rope is not None
+        kern, nt, smem = _mma_kernel(K, R, mt, PRE=pre, KT=kt, QF=fold)
         words = tuple(a.view(np.uint64) for a in args)
         kd = _no_keys(K)
         if pre:
@@ -856,8 +952,9 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
             decode_rows(keys, comp_packed, n_comp_visible, window_packed, chunk_packed, pos0,
                         stream)
             kd = keys
+        eps, pos, freqs = q_norm_rope if fold else (0.0, *_no_rope())
         device.launch_shared(kern, (T, cdiv(H, 16 * mt)), nt, stream, smem, out, q, *words, kd,
-                             *rest)
+                             *rest, pos, freqs, float32(eps))
         return
     # a block of NT threads owns NT/32·HPW heads; small H: no idle warps
     nt = threads or min(256, cdiv(H, HPW) * 32)
@@ -892,6 +989,11 @@ def _no_keys(K: int):
     return _NO_KEYS[0]
 
 
+def _no_rope():
+    """The (pos, freqs) placeholders passed to the builds that do not read them."""
+    return device.empty_vector(np.int32), device.empty_vector(np.float64)
+
+
 def store_chunk_rows(window_packed, chunk_packed, pos0, stream=0, threads=None) -> None:
     """window_packed[W, bytes] <- chunk_packed[T, bytes] at slots (pos0 + t) mod W for the last
     min(T, W) entries (device arrays; pos0[1] int32). Run it after attention_prefill."""
@@ -907,19 +1009,23 @@ def store_chunk_rows(window_packed, chunk_packed, pos0, stream=0, threads=None) 
 # ---- CI lane B and the benchmark --------------------------------------------------------------
 _F3 = "float32[:, :, ::1]"
 _TAIL = "int32[:, ::1], int32[::1], int32, int32[::1], float32[::1], float32"
+_MMA_TAIL = f"{_TAIL}, int32[::1], float64[::1], float32"  # (+ qpos, freqs, eps)
 PTX_SIGNATURES = [
     (_attention_prefill_naive, f"void({_F3}, {_F3}, uint8[:, ::1], uint8[:, ::1], "
                                f"uint8[:, ::1], {_TAIL}, int64)"),
     (_tile_kernel(512, 64, 256)[0], f"void({_F3}, {_F3}, uint32[:, ::1], uint32[:, ::1], "
                                     f"uint32[:, ::1], {_TAIL})"),  # V4-Flash, 256 threads
     (_mma_kernel(512, 64, MAX_MT)[0], f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], "
-                                      f"uint64[:, ::1], uint32[:, ::1], {_TAIL})"),  # V4-Flash
+                                      f"uint64[:, ::1], uint32[:, ::1], {_MMA_TAIL})"),  # V4-Flash
     (_mma_kernel(512, 64, MAX_MT, DEC=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
                                                 f"uint64[:, ::1], uint64[:, ::1], "
-                                                f"uint32[:, ::1], {_TAIL})"),
+                                                f"uint32[:, ::1], {_MMA_TAIL})"),
     (_mma_kernel(512, 64, MAX_MT, PRE=True, KT=KEY_TILE_PRE)[0],
      f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], uint64[:, ::1], uint32[:, ::1], "
-     f"{_TAIL})"),
+     f"{_MMA_TAIL})"),
+    (_mma_kernel(512, 64, MAX_MT, PRE=True, KT=KEY_TILE_PRE, QF=True)[0],
+     f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], uint64[:, ::1], uint32[:, ::1], "
+     f"{_MMA_TAIL})"),  # the engine's prefill: q's norm and RoPE folded in
     (_decode_rows, "void(uint32[:, ::1], uint64[:, ::1], int32[::1], uint64[:, ::1], "
                    "uint64[:, ::1], int32[::1])"),
     (_store_chunk_rows, "void(uint32[:, ::1], uint32[:, ::1], int32[::1])"),
@@ -930,6 +1036,8 @@ def bench_cases(stream) -> list[BenchCase]:
     """V4-Flash prefill: a T = 512 chunk, H = 64 heads x K = 512 (R = 64), a full 128-entry
     ring; CSA picks 512 rows per token from a 65,536-entry pool (262K context), HCA attends all
     of about 2048 entries."""
+    from ..numerics import rope_frequencies
+
     rng = np.random.default_rng(0)
     T, H, K, R, W, S = 512, 64, 512, 64, 128, 512
     B = kvpack.kv_entry_bytes(K, R)
@@ -957,17 +1065,21 @@ def bench_cases(stream) -> list[BenchCase]:
         keys = int((np.minimum(p0 + np.arange(T), W - 1) + 1 + ncomp).sum())
         rows = ncap if hca else len(np.unique(sel))  # each distinct entry read once, ideally
         nbytes = (W + T + rows) * B + 2 * out.nbytes + (0 if hca else sel.nbytes)
-        # and with the keys decoded once into a workspace, as the engine runs both modes
-        runs = [(False, None), (True, None),
-                (True, cuda.device_array((key_rows(ncap, W, T), K // 2), np.uint32,
-                                         stream=stream))]
-        for mma, kd in runs:
-            def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd):
+        # and with the keys decoded once into a workspace, as the engine runs both modes;
+        # last with q's norm and RoPE and out's inverse RoPE folded in (the engine's form:
+        # against the one before it plus norm_rope's "prefill" cases, which it replaces)
+        kd = cuda.device_array((key_rows(ncap, W, T), K // 2), np.uint32, stream=stream)
+        fold = (1e-6, cuda.to_device((p0 + np.arange(T)).astype(np.int32), stream=stream),
+                cuda.to_device(rope_frequencies(R, 160000.0, 16.0, 65536), stream=stream))
+        runs = [(False, None, None), (True, None, None), (True, kd, None), (True, kd, fold)]
+        for mma, kd, qf in runs:
+            def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd, qf=qf):
                 attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"],
                                   d["nc"], int(hca), d["p0"], d["sinks"], 1 / math.sqrt(K),
-                                  stream=stream, mma=mma, keys=kd)
+                                  stream=stream, mma=mma, keys=kd, q_norm_rope=qf)
             how = ("tensor cores, rows decoded once" if kd is not None else
                    "tensor cores" if mma else "tiles")
+            how += ", q norm + RoPE folded" if qf is not None else ""
             cases.append(BenchCase(
                 "attention_prefill",
                 f"attention_prefill {how} {mode} T={T} H={H} "

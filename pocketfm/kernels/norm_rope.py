@@ -278,7 +278,9 @@ PTX_SIGNATURES = [
 
 def bench_cases(stream):
     """V4-Flash shapes: attn_norm (D = 4096, T = 1), the per-head q norm 64 x 512, RoPE on
-    q [1, 64, 512] and kv [1, 1, 512] in place (64 rope dims of 512)."""
+    q [1, 64, 512] and kv [1, 1, 512] in place (64 rope dims of 512); and a 512-token prefill
+    chunk's per-head q norm and q RoPE (attention_prefill's T = 512 cases: the prefill's q
+    norm, its RoPE and the output's inverse RoPE are folded into the attention there)."""
     from ..numerics import rope_frequencies
 
     rng = np.random.default_rng(0)
@@ -288,23 +290,25 @@ def bench_cases(stream):
 
     cases = []
     for name, R, n, wt in (("rmsnorm attn_norm 1x4096", 1, 4096, True),
-                           ("rmsnorm q per-head 64x512", 64, 512, False)):
+                           ("rmsnorm q per-head 64x512", 64, 512, False),
+                           ("rmsnorm q per-head 512x64x512 (prefill)", 512 * 64, 512, False)):
         x = dev(rng.standard_normal((R, n), dtype=np.float32))
         w = dev(rng.standard_normal(n, dtype=np.float32))
         o = device.device_empty((R, n), np.float32, stream)
-        for naive in (False, True):
+        for naive in (False, True) if R <= 64 else (False,):
             cases.append(BenchCase(
                 "norm_rope", name + (" naive" if naive else ""),
                 lambda o=o, x=x, w=w, wt=wt, nv=naive: rmsnorm(o, x, w, 1e-6, wt, stream,
                                                                naive=nv),
                 bytes=2 * R * n * 4 + (n * 4 if wt else 0), flops=4 * R * n))
     freqs = dev(rope_frequencies(64, 160000.0, 16.0, 65536))
-    pos = dev(np.array([1_000_000], np.int32))
-    for name, H in (("rope q [1,64,512] in place", 64), ("rope kv [1,1,512] in place", 1)):
-        x = dev(rng.standard_normal((1, H, 512), dtype=np.float32))
-        for naive in (False, True):
+    for name, T, H in (("rope q [1,64,512] in place", 1, 64), ("rope kv [1,1,512] in place", 1, 1),
+                       ("rope q [512,64,512] in place (prefill)", 512, 64)):
+        x = dev(rng.standard_normal((T, H, 512), dtype=np.float32))
+        pos = dev(np.arange(1_000_000, 1_000_000 + T, dtype=np.int32))
+        for naive in (False, True) if T == 1 else (False,):
             cases.append(BenchCase(
                 "norm_rope", name + (" naive" if naive else ""),
-                lambda x=x, nv=naive: rope(x, x, pos, freqs, False, stream, naive=nv),
-                bytes=2 * H * 64 * 4, flops=6 * H * 32))
+                lambda x=x, p=pos, nv=naive: rope(x, x, p, freqs, False, stream, naive=nv),
+                bytes=2 * T * H * 64 * 4, flops=6 * T * H * 32))
     return cases

@@ -52,19 +52,24 @@ def nan_keys(ncap, w, t, k):
     return cuda.to_device(np.full((ap.key_rows(ncap, w, t), k // 2), 0x7FC07FC0, np.uint32))
 
 
-def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False):
+def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False, q_norm_rope=None):
     """(kernel output, float64 reference) for inputs ``x`` and the selection / counts
-    (``keys``: the compressed rows and the window decoded once into a workspace first)."""
+    (``keys``: the compressed rows and the window decoded once into a workspace first;
+    ``q_norm_rope``: (eps, pos, freqs) NumPy arrays, q normalised and rotated inside)."""
     T, H, _ = x["q"].shape
     scale = 1 / math.sqrt(K)
     ref = np.empty((T, H, K))
     ap.attention_prefill_ref(ref, x["q"].astype(np.float64), x["win"], x["chunk"], x["comp"],
-                             sel, nvis, hca, x["pos0"], x["sinks"].astype(np.float64), scale)
+                             sel, nvis, hca, x["pos0"], x["sinks"].astype(np.float64), scale,
+                             q_norm_rope=q_norm_rope)
     d = {k: cuda.to_device(v) for k, v in dict(x, sel=sel, nvis=nvis).items()}
+    fold = None if q_norm_rope is None else (q_norm_rope[0], *map(cuda.to_device,
+                                                                  q_norm_rope[1:]))
     out = poisoned((T, H, K))
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
                          d["pos0"], d["sinks"], scale, threads=threads, naive=naive, mma=mma,
-                         keys=nan_keys(NCAP, len(x["win"]), T, K) if keys else None)
+                         keys=nan_keys(NCAP, len(x["win"]), T, K) if keys else None,
+                         q_norm_rope=fold)
     return out.copy_to_host(), ref
 
 
@@ -185,6 +190,36 @@ def test_attention_prefill_window_only_decoded_keys():
     out, ref = run(x, np.full((T, 1), -1, np.int32), np.zeros(T, np.int32), 0, False, mma=True,
                    keys=True)
     assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("kernel,hca,far", [("naive", 0, False), ("tiles", 1, True),
+                                            ("mma", 0, True), ("mma", 1, False),
+                                            ("mma keys", 0, False), ("mma keys", 1, True)])
+def test_attention_prefill_q_norm_rope(kernel, hca, far):
+    """q as the q_b GEMM leaves it (rows far from unit RMS, a per-head offset): its per-head
+    RMSNorm and RoPE and the output's inverse RoPE inside the tensor-core kernel (around the
+    other forms), against the reference's three steps; ``far``: positions near 1M, where a
+    float32 angle would be off. H = 5: a padded m-tile's rows (heads 5..15) must stay zero."""
+    from pocketfm.numerics import rope_frequencies
+
+    rng = fresh_rng()
+    pos0, T, W = 9, 3, 4
+    x = inputs(rng, pos0, T, W, 5)
+    x["q"] = (x["q"] * 37 + rng.normal(size=(1, 5, 1)) * 20).astype(np.float32)
+    pos = (pos0 + np.arange(T) + (1_000_000 if far else 0)).astype(np.int32)
+    fold = (np.float32(1e-6), pos, rope_frequencies(R, 160000.0, 16.0, 65536))
+    if hca:
+        sel = np.full((T, 1), 123456, np.int32)
+        nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
+    else:
+        sel, nvis = csa_sel(rng, T, 24), np.full(T, 123456, np.int32)
+    how = dict(KERNELS[kernel.split()[0]], keys=kernel.endswith("keys"))
+    out, ref = run(x, sel, nvis, hca, **how, q_norm_rope=fold)
+    assert rel_err(out, ref) <= 1e-4
+    plain = np.empty_like(ref)  # (the fold matters: without it the output is another one)
+    ap.attention_prefill_ref(plain, x["q"].astype(np.float64), x["win"], x["chunk"],
+                             x["comp"], sel, nvis, hca, x["pos0"], x["sinks"], 1 / math.sqrt(K))
+    assert rel_err(plain, ref) > 1e-2
 
 
 @pytest.mark.parametrize("last,pos0,T,W", [(0, 0, 3, 4), (17, 2, 3, 4), (NCAP + 5, 9, 6, 4)])
