@@ -272,6 +272,18 @@ def step_buffer_specs(cfg: ModelConfig, capacity: int) -> list[ArraySpec]:
     return list(s) + moe_scratch_specs(cfg)
 
 
+# kernels/hc.py's chunk mix: HC_MIX_TOKENS tokens a block, and blocks enough to fill the H200
+# once (132 SMs x 3 blocks at its 168 registers) by slicing the columns
+HC_MIX_TOKENS, HC_MIX_BLOCKS = 16, 384
+
+
+def hc_mix_shape(T: int, hc: int) -> tuple[int, int, int]:
+    """hc_pre's ``mix`` workspace for a chunk of T tokens (kernels/hc.py's _hc_mix_chunk):
+    [column slices, T, (2 + hc)·hc mix rows + the sum of squares] of partial sums."""
+    groups = -(-T // HC_MIX_TOKENS)
+    return max(1, min(16, HC_MIX_BLOCKS // groups)), T, (2 + hc) * hc + 1
+
+
 def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[ArraySpec]:
     """ChunkPrefill's buffers for chunks of up to ``chunk`` tokens (allocated from this list by
     name, on the first prefill; a shorter chunk takes views [:T])."""
@@ -289,7 +301,8 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     s.add("u", T, D)
     s.add("post", T, HC)
     s.add("comb", T, HC, HC)
-    s.add("hc_mix", T, (2 + HC) * HC)  # HC pre's mix, one GEMM per chunk
+    # HC pre's mix, one GEMM per chunk (for every chunk up to T: more slices when shorter)
+    s.add("hc_mix", max(math.prod(hc_mix_shape(t, HC)) for t in range(1, T + 1)))
     s.add("cq", T, cfg.q_rank)
     shared = prefill_shared_buffers(cfg, capacity, T)
     for name, views in shared.items():  # arrays whose lifetimes in a layer do not overlap

@@ -50,7 +50,8 @@ from ..kernels.qat import hadamard_fp4, kv_pack
 from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
 from .device_weights import index_weight_scale
-from .layout import compressor_widths, prefill_buffer_specs, prefill_shared_buffers
+from .layout import (compressor_widths, hc_mix_shape, prefill_buffer_specs,
+                     prefill_shared_buffers)
 
 
 class ChunkPrefill:
@@ -137,7 +138,10 @@ class ChunkPrefill:
         """HC pre's mix workspace: the mix as one GEMM over the chunk. None in the simulator,
         whose engine takes the serial HC kernel (a thread per token; the GEMM path and its
         finish kernel have their own simulator tests)."""
-        return None if self.eng.sim else self.hc_mix[:T]
+        if self.eng.sim:
+            return None
+        shape = hc_mix_shape(T, self.cfg.hc_mult)
+        return self.hc_mix[:math.prod(shape)].reshape(shape)
 
     @staticmethod
     def _limbs_here(T: int) -> bool:

@@ -19,9 +19,16 @@ workspace, ``_hc_pre_finish_u`` makes u on the main stream and ``_hc_pre_finish_
 and the Sinkhorn comb beside it, off the path to the sublayer (hc_post is their only reader);
 with ``norm=`` the u block also writes the sublayer's input RMSNorm (one launch fewer).
 
-A prefill chunk passes a ``mix`` workspace instead: the mix is then one GEMM over the chunk's
-tokens (gemv.py picks the kernel; on a GPU the tensor cores), which reads fn once, not once per
-token, and ``_hc_pre_finish_mix`` (one block per token) adds the sum of squares and the rest.
+A prefill chunk passes a ``mix`` workspace instead: the mix is then ``_hc_mix_chunk``, a
+GEMM over the chunk's tokens on the CUDA cores (its N, the 24 mix rows, is too narrow for the
+tensor-core tiles: as mma.py's split kernel it took ~316 µs a 2,048-token chunk on the H200
+for 134 MB of X, 8x its read time). A warp takes 4 tokens and a slice of the flattened
+columns, a lane every 32nd column: per column 4 loads of x (coalesced), 24 of fn (L1 / L2:
+fn's 1.5 MB are shared by every block), 100 FMAs into registers (the 4 x 24 dots and the 4
+sums of squares), then one warp sum each. The column slices (blocks) a token group are as
+many as fill the GPU once (layout.hc_mix_shape: 3 at 2,048 tokens); ``_hc_pre_finish_mix``
+(one block per token) adds the slices' partials (so X is read once for the mix and the norm,
+once more for u) and does the rest.
 
 fn must be float32: ds4 files store the HC fn tensors as F16; callers convert them once at load.
 """
@@ -33,10 +40,11 @@ import numpy as np
 from numba import cuda
 
 from .. import ops
+from ..engine.layout import HC_MIX_TOKENS, hc_mix_shape
 from ..quants import GGMLType
 from . import device
 from .bench import BenchCase
-from .device import block_sum, cdiv, warp_sum
+from .device import cdiv, warp_sum
 from .gemv import gemv
 from .norm_rope import Dense, norm_row, rmsnorm
 from .qweight import QWeight
@@ -50,6 +58,8 @@ FINISH_THREADS = 512  # the finish kernels' registers do not fit 1024-thread blo
 # shared/local array sizes must be plain global constants (no arithmetic inside kernels)
 MAX_HC2, MAX_ROWS1, MAX_HC1 = MAX_HC * MAX_HC, MAX_ROWS + 1, MAX_HC + 1
 MAX_PC = MAX_HC * (MAX_HC + 1)
+MIX_TOKENS, MIX_WARPS = 4, 4  # _hc_mix_chunk: tokens a warp (their sums in registers), warps
+assert MIX_TOKENS * MIX_WARPS == HC_MIX_TOKENS  # (engine/layout.py sizes its workspace)
 
 
 # ---- NumPy references (pocketfm.ops with array adapters) --------------------------------------
@@ -265,6 +275,64 @@ def _hc_mix_split(part, X, fn, cb):
     _mix_partials(part, xs, fn, c0, cb, C, t)
 
 
+_MIX_CHUNK: dict = {}
+
+
+def _mix_chunk_kernel(M: int):
+    """``_hc_mix_chunk`` for M mix rows (a closure constant: a warp's MIX_TOKENS x (M + 1)
+    sums are a register array)."""
+    if M in _MIX_CHUNK:
+        return _MIX_CHUNK[M]
+    NR = M + 1  # the mix rows, then the sum of squares
+    TPW = MIX_TOKENS
+    NA = TPW * NR
+    assert TPW == 4  # (the kernel's four _flush calls)
+
+    @cuda.jit(device=True, inline="always")
+    def _flush(part, acc, scratch, s, t, k, lane):
+        """part[s, t + k, r] <- the warp's sums of acc[k·NR + r] (k a literal at each call, so
+        that every index into acc is a constant and acc stays in registers)."""
+        for r in range(NR):
+            v = warp_sum(acc[k * NR + r], scratch)  # every lane calls it (the simulator's
+            if lane == (k * NR + r) % 32 and t + k < part.shape[1]:  # needs the block)
+                part[s, t + k, r] = v
+
+    @device.kernel
+    def _hc_mix_chunk(part, X, fn):
+        """part[s, t, r] = sum over column slice s of fn[r, c] · X[t, c] (r < M), of X[t, c]^2
+        (r = M); X [T, C] flattened, block (token group, slice s), warp w tokens
+        (MIX_WARPS·group + w)·TPW .., lane every 32nd column of the slice."""
+        scratch = cuda.shared.array(MAX_THREADS, np.float32)  # (the simulator's warp_sum)
+        acc = cuda.local.array(NA, np.float32)
+        xv = cuda.local.array(TPW, np.float32)
+        T, C = X.shape
+        lane, w = cuda.threadIdx.x & 31, cuda.threadIdx.x >> 5
+        t0 = (cuda.blockIdx.x * MIX_WARPS + w) * TPW
+        S = cuda.gridDim.y  # a slice's columns: whole warps of them
+        per = ((C + 31) // 32 + S - 1) // S * 32
+        c0 = cuda.blockIdx.y * per
+        c1 = min(C, c0 + per)
+        for j in range(NA):
+            acc[j] = np.float32(0.0)
+        for c in range(c0 + lane, c1, 32):
+            for k in range(TPW):
+                xv[k] = X[min(t0 + k, T - 1), c]  # (rows past T: computed, not written)
+            for r in range(M):
+                f = fn[r, c]
+                for k in range(TPW):
+                    acc[k * NR + r] += f * xv[k]
+            for k in range(TPW):
+                acc[k * NR + M] += xv[k] * xv[k]
+        s = cuda.blockIdx.y
+        _flush(part, acc, scratch, s, t0, 0, lane)
+        _flush(part, acc, scratch, s, t0, 1, lane)
+        _flush(part, acc, scratch, s, t0, 2, lane)
+        _flush(part, acc, scratch, s, t0, 3, lane)
+
+    _MIX_CHUNK[M] = _hc_mix_chunk
+    return _hc_mix_chunk
+
+
 @cuda.jit(device=True)
 def _stage_post_coeffs(pc, post, comb, t):
     """pc = comb[t] (row-major), then post[t]: the HC post's coefficients in shared memory,
@@ -395,24 +463,16 @@ def _hc_pre_finish(out_u, out_post, out_comb, X, base, scale, rms_eps, hc_eps, i
 
 @device.kernel
 def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, hc_eps, iters):
-    """One block per token after the mix ran as a GEMM (mix[t, r] = fn[r] . flatten(X[t])):
-    the sum of squares of X[t], then as _hc_pre_finish."""
-    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    """One block per token after _hc_mix_chunk: its slices' partials added (mix[s, t, r]: the
+    mix rows r < M, the sum of squares r = M), then as _hc_pre_finish."""
     mv = cuda.shared.array(MAX_ROWS1, np.float32)
     pre = cuda.shared.array(MAX_HC, np.float32)
     t = cuda.blockIdx.x
-    hc, D = X.shape[1], X.shape[2]
-    M = (2 + hc) * hc
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    ss = np.float32(0.0)
-    for s in range(hc):
-        for d in range(tid, D, nt):
-            ss += X[t, s, d] * X[t, s, d]
-    ss = block_sum(ss, scratch)
-    for r in range(tid, M, nt):
-        mv[r] = mix[t, r]
-    if tid == 0:
-        mv[M] = ss
+    for r in range(cuda.threadIdx.x, mix.shape[2], cuda.blockDim.x):
+        v = np.float32(0.0)
+        for s in range(mix.shape[0]):
+            v += mix[s, t, r]
+        mv[r] = v
     cuda.syncthreads()
     _pre_from_mix(out_u, out_post, out_comb, X, mv, pre, base, scale, rms_eps, hc_eps, iters, t)
 
@@ -549,9 +609,9 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
-    ``mix`` float32 [T, M] (a prefill chunk's workspace): the mix runs as one GEMM through
-    gemv (on a GPU the tensor cores, bf16x3: rel. error ~1e-5), reading fn once for the whole
-    chunk instead of once per token (H200, 2,048 tokens: 6 ms per call with the split mix).
+    ``mix`` float32 hc_mix_shape(T, HC) (a prefill chunk's workspace): the mix runs as one
+    GEMM over the chunk (_hc_mix_chunk, float32 on the CUDA cores), reading fn once a token
+    group instead of once a token (H200, 2,048 tokens: 6 ms per call with the split mix).
 
     ``side`` (a device.SideStream; decode): post and comb, the Sinkhorn's serial chain of
     2·iters normalisations, are made on the side stream while ``stream`` goes on with u and
@@ -573,10 +633,12 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     if post_from is not None and (side is None or plan is None or mix is not None):
         hc_post(X, *post_from, stream, threads, naive=naive)
         post_from = None
-    if mix is not None:  # a chunk: the mix as one GEMM, fn read once for all T tokens
-        C = hc * D
-        gemv(mix, QWeight(GGMLType.F32, M, C, 1, (fn.reshape(1, M, C),)), X.reshape(T, C),
-             None, stream, threads)
+    if mix is not None:  # a chunk: the mix as one GEMM, fn read once a token group
+        if mix.shape[1:] != hc_mix_shape(T, hc)[1:]:
+            raise ValueError(f"hc_pre: mix workspace {mix.shape}, need [S, {T}, {M + 1}]")
+        mt = MIX_WARPS * MIX_TOKENS
+        _mix_chunk_kernel(M)[(cdiv(T, mt), mix.shape[0]), 32 * MIX_WARPS, stream](
+            mix, X.reshape(T, hc * D), fn)
         _hc_pre_finish_mix[T, nf, stream](out_u, out_post, out_comb, X, mix, base, scale, *eps)
         if norm is not None:
             rmsnorm(norm[0], out_u, norm[1], rms_eps, True, stream, threads)
@@ -641,7 +703,8 @@ PTX_SIGNATURES = [
     (_hc_pre_finish,
      f"void({_PRE_OUT}, {_F3}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_pre_finish_mix,
-     f"void({_PRE_OUT}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64)"),
+     f"void({_PRE_OUT}, {_F3}, {_F3}, {_F1}, {_F1}, float32, float32, int64)"),
+    (_mix_chunk_kernel(24), f"void({_F3}, {_F2}, {_F2})"),  # V4: HC = 4
     (_hc_pre_finish_u,
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_hc_pre_finish_post,
@@ -651,8 +714,44 @@ PTX_SIGNATURES = [
 ]
 
 
+def _chunk_cases(stream, T: int = 2048):
+    """The prefill's HC pre over a T-token chunk: the mix kernel alone, the F32 GEMM it
+    replaced (gemv: mma.py's split kernel on a GPU), and mix + finish as the engine runs them."""
+    rng = np.random.default_rng(1)
+    hc, D = 4, 4096
+    M, C = (2 + hc) * hc, hc * D
+
+    def dev(a):
+        return device.to_device(np.ascontiguousarray(a, np.float32), stream)
+
+    X, fn = dev(rng.standard_normal((T, hc, D))), dev(rng.standard_normal((M, C)) * 0.01)
+    base, scale = dev(rng.standard_normal(M)), dev(rng.uniform(0.5, 2, 3))
+    u, post, comb = dev(np.zeros((T, D))), dev(np.zeros((T, hc))), dev(np.zeros((T, hc, hc)))
+    mix, gemm_out = dev(np.zeros(hc_mix_shape(T, hc))), dev(np.zeros((T, M)))
+    mt = MIX_WARPS * MIX_TOKENS
+
+    def mix_only():
+        _mix_chunk_kernel(M)[(cdiv(T, mt), mix.shape[0]), 32 * MIX_WARPS, stream](
+            mix, X.reshape(T, C), fn)
+
+    def as_gemm():
+        gemv(gemm_out, QWeight(GGMLType.F32, M, C, 1, (fn.reshape(1, M, C),)), X.reshape(T, C),
+             None, stream)
+
+    x_bytes, fl = T * C * 4, 2 * M * C * T
+    return [BenchCase("hc", f"hc mix T={T} (prefill chunk) _hc_mix_chunk", mix_only,
+                      bytes=M * C * 4 + x_bytes, flops=fl),
+            BenchCase("hc", f"hc mix T={T} (prefill chunk) as an F32 GEMM (gemv, before)",
+                      as_gemm, bytes=M * C * 4 + x_bytes, flops=fl),
+            BenchCase("hc", f"hc_pre T={T} (prefill chunk) mix + finish",
+                      lambda: hc_pre(u, post, comb, X, fn, base, scale, 1e-6, 1e-6, 20, stream,
+                                     mix=mix),
+                      bytes=M * C * 4 + 2 * x_bytes + T * D * 4, flops=fl)]
+
+
 def bench_cases(stream):
-    """V4-Flash decode: T = 1, HC = 4, D = 4096, fn 24 x 16384 float32 (head: 4 x 16384)."""
+    """V4-Flash decode: T = 1, HC = 4, D = 4096, fn 24 x 16384 float32 (head: 4 x 16384); and
+    the prefill's HC pre over a 2,048-token chunk (_chunk_cases)."""
     rng = np.random.default_rng(0)
     T, hc, D = 1, 4, 4096
     M, C = (2 + hc) * hc, hc * D
@@ -708,4 +807,4 @@ def bench_cases(stream):
                       lambda nv=naive: hc_post(Xn, f, X, post, comb, stream, naive=nv),
                       bytes=2 * x_bytes + T * D * 4, flops=2 * (hc + 1) * C * T),
         ]
-    return cases
+    return cases + _chunk_cases(stream)

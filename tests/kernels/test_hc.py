@@ -75,7 +75,8 @@ def test_hc_pre_with_the_input_norm(path):
     rmsnorm_ref(ref_n, ref_u, w, 1e-6, True)
     u, post, comb, un = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC)), poisoned((T, D))
     side = device.SideStream() if path == "side" else None
-    how = dict(side=side, naive=path == "naive", mix=poisoned((T, M)) if path == "mix" else None)
+    mix = poisoned(hc.hc_mix_shape(T, HC)) if path == "mix" else None
+    how = dict(side=side, naive=path == "naive", mix=mix)
     hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
               threads=THREADS, norm=(un, cuda.to_device(w)), **how)
     if side is not None:
@@ -106,7 +107,8 @@ def test_hc_pre_after_the_previous_post(path):
     X, u = poisoned((T, HC, D)), poisoned((T, D))
     post, comb = cuda.to_device(post0), cuda.to_device(comb0)
     side = device.SideStream() if path == "side" else None
-    how = dict(side=side, naive=path == "naive", mix=poisoned((T, M)) if path == "mix" else None)
+    mix = poisoned(hc.hc_mix_shape(T, HC)) if path == "mix" else None
+    how = dict(side=side, naive=path == "naive", mix=mix)
     hc.hc_pre(u, post, comb, X, *map(cuda.to_device, (fn, base, scale)), 1e-6, 1e-6, 20,
               threads=THREADS, post_from=(cuda.to_device(f), cuda.to_device(Xp), post, comb),
               **how)
@@ -118,23 +120,38 @@ def test_hc_pre_after_the_previous_post(path):
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
 
 
-@pytest.mark.parametrize("T", [3, 7])
-def test_hc_pre_chunk_mix(T):
-    """A prefill chunk: the mix as a GEMM into the ``mix`` workspace (T = 3: gemv's decode
-    kernel; T = 7: its GEMM, the tensor cores on a GPU), then the per-token finish."""
+@pytest.mark.parametrize("T,HC,D", [(3, 4, 64), (21, 4, 40), (6, 3, 24)])
+def test_hc_pre_chunk_mix(T, HC, D):
+    """A prefill chunk: the mix as one GEMM over the tokens into the ``mix`` workspace (column
+    slices' partials), then the per-token finish. T = 21: two token groups, the second's last
+    warps past T; D = 40: slices of 64 columns, the last one short (160 columns); HC = 3: the
+    15-row build."""
     rng = fresh_rng()
-    HC, D = 4, 64
     M = (2 + HC) * HC
     X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
     ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
     hc.hc_pre_ref(ref_u, ref_post, ref_comb, *_f64(X, fn, base, scale), 1e-6, 1e-6, 20)
     u, post, comb = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC))
-    mix = poisoned((T, M))
+    mix = poisoned(hc.hc_mix_shape(T, HC))
     hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
               threads=THREADS, mix=mix)
     assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
     assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+    # the slices' partials: the mix rows and the sums of squares of flatten(X[t])
+    flat = X.reshape(T, HC * D).astype(np.float64)
+    want = np.concatenate([flat @ fn.T.astype(np.float64), (flat ** 2).sum(1)[:, None]], 1)
+    assert rel_err(mix.copy_to_host().sum(0), want) <= 1e-5
+
+
+def test_hc_pre_rejects_a_mix_workspace_of_another_shape():
+    rng = fresh_rng()
+    T, HC, D = 2, 4, 64
+    X, fn, base, scale = _inputs(rng, T, HC, D, (2 + HC) * HC, 3)
+    u, post, comb = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC))
+    with pytest.raises(ValueError, match="mix workspace"):
+        hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+                  mix=poisoned((T, (2 + HC) * HC)))
 
 
 def test_hc_pre_tiny_hidden_falls_back():
