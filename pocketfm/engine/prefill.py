@@ -45,7 +45,7 @@ from ..kernels.indexer_mma import decode_keys
 from ..kernels import hmma
 from ..kernels.mma import expert_order, gemm_mma, supports
 from ..kernels.moe import broadcast_rows, combine_chunk, route_chunk, swiglu_fused
-from ..kernels.norm_rope import rmsnorm, rope
+from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
 from ..kernels.qat import hadamard_fp4, kv_pack
 from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
@@ -59,6 +59,10 @@ class ChunkPrefill:
 
     def __init__(self, eng, chunk: int = DEFAULT_PREFILL_CHUNK):
         self.eng, self.cfg, self.T = eng, eng.cfg, int(chunk)
+        # GEMMs of one prepared x that are independent of the main chain run beside it (the
+        # small ones leave most SMs idle alone); only on hmma.py's path, whose GEMMs read the
+        # main stream's prepared limbs and allocate nothing per stream
+        self.side_a, self.side_b = device.SideStream(), device.SideStream()
         self._alloc()
         self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
 
@@ -155,12 +159,18 @@ class ChunkPrefill:
         not _limbs_here)."""
         return hmma.prepare_x(x, self.eng.stream) if self._limbs_here(T) else None
 
-    def _gemm(self, out, w, x, limbs) -> None:
-        """out = W · x: from x's prepared ``limbs`` where hmma.py takes the weight, else gemv."""
+    def _gemm(self, out, w, x, limbs, stream=None) -> None:
+        """out = W · x: from x's prepared ``limbs`` where hmma.py takes the weight, else gemv
+        (on the main stream: a side stream only takes GEMMs of limbs, see _beside)."""
         if limbs is not None and hmma.takes(w):
-            hmma.gemm_hmma_prepared(out, w, limbs, stream=self.eng.stream)
+            hmma.gemm_hmma_prepared(out, w, limbs, stream=stream or self.eng.stream)
         else:
             gemv(out, w, x, None, self.eng.stream, threads=self.eng.nt)
+
+    def _beside(self, side, limbs):
+        """The stream for GEMMs of ``limbs`` beside the main chain: ``side`` forked from the
+        main stream now (after the limbs' preparation), or the main stream without limbs."""
+        return side.fork(self.eng.stream) if limbs is not None else self.eng.stream
 
     def _attention(self, i: int, T: int, X, X_out) -> None:
         eng, cfg, s = self.eng, self.cfg, self.eng.stream
@@ -171,26 +181,30 @@ class ChunkPrefill:
                cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
         rmsnorm(u, self.u_in[:T], L.attn_norm, eps, True, s, threads=nt, **sim)
         # every GEMM that reads u first, on one preparation of its limbs (the next GEMM's x
-        # preparation, q_b's, overwrites them)
+        # preparation, q_b's, overwrites them): q_a and its norm on the main stream, kv and
+        # the compressors' on side_a, the indexer's on side_b, joined before q_b
         xu = self._limbs(u, T)
-        self._gemm(cq, L.q_a, u, xu)
-        self._gemm(kv, L.kv, u, xu)
+        sa, sb = self._beside(self.side_a, xu), self._beside(self.side_b, xu)
+        self._gemm(kv, L.kv, u, xu, sa)
         if c.ratio:
             a, g = (x[:T] for x in self.comp_in[c.state_kv.shape[1]])
-            self._gemm(a, L.comp_kv, u, xu)
-            self._gemm(g, L.comp_gate, u, xu)
+            self._gemm(a, L.comp_kv, u, xu, sa)
+            self._gemm(g, L.comp_gate, u, xu, sa)
         if cfg.is_csa(i):
             ia, ig = (x[:T] for x in self.idx_in)
-            self._gemm(ia, L.idx_kv, u, xu)
-            self._gemm(ig, L.idx_gate, u, xu)
-            self._gemm(self.idx_w[:T], L.idx_proj, u, xu)
+            self._gemm(ia, L.idx_kv, u, xu, sb)
+            self._gemm(ig, L.idx_gate, u, xu, sb)
+            self._gemm(self.idx_w[:T], L.idx_proj, u, xu, sb)
+        self._gemm(cq, L.q_a, u, xu)
         rmsnorm(cq, cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
+        if xu is not None:
+            self.side_a.join(s)
+            self.side_b.join(s)
         gemv(q.reshape(T, H * K), L.q_b, cq, None, s, threads=nt)
         # (q's per-head weightless RMSNorm and RoPE, and the output's inverse RoPE: inside
         # the attention, ``q_norm_rope``)
-        rmsnorm(kv, kv, L.kv_norm, eps, True, s, threads=nt, **sim)
         kv3 = kv.reshape(T, 1, K)
-        rope(kv3, kv3, self.pos, L.freqs, False, s, threads=nt, **sim)
+        rmsnorm_rope(kv3, kv3, L.kv_norm, eps, True, self.pos, L.freqs, s, threads=nt, **sim)
         rows = self.kv_rows[:T]
         kv_pack(rows, kv, R, stream=s, threads=nt, **sim)  # the chunk's own 584 B entries
         comp = eng.comp_of(i)  # (KV swap: the CSA layers' rows of the host pool)
@@ -290,7 +304,15 @@ class ChunkPrefill:
                cfg.hc_eps, cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
         rmsnorm(v, self.u_in[:T], L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
         ids, w = self.route_ids[:T], self.route_w[:T]
+        shared = self.sh_down[:T]  # stays zero when the model has no shared expert
+        sgu = self.sh_gate_up[:T]
         xv = self._limbs(v, T)  # the router's, the shared expert's and the routed gate|up's x
+        grouped = not SIMULATOR and supports(L.gate_up) and supports(L.down)
+        if grouped and hmma.takes(L.gate_up) and hmma.takes(L.down) and \
+                L.shared_gate_up is not None:  # the shared gate|up first, while xv holds v,
+            # beside the router, the routing, expert_order and the routed gate|up (sgu: o's
+            # buffer, which this path leaves alone: it writes no x_rep or h)
+            self._gemm(sgu, L.shared_gate_up, v, xv, self._beside(self.side_a, xv))
         self._gemm(self.router[:T], L.router, v, xv)
         route_chunk(ids, w, self.router[:T], L.bias, L.tid2eid, tokens,
                     int(cfg.is_hash_layer(i)), cfg.routed_scale, int(cfg.norm_topk), s,
@@ -303,18 +325,14 @@ class ChunkPrefill:
         # is filled once for all its rows (the simulator keeps the expert-indexed GEMV); in
         # hmma.py's kernel x is read per token (no copies) and the down's x is made
         # from gate|up through the SwiGLU in its preparation (no h)
-        grouped = not SIMULATOR and supports(L.gate_up) and supports(L.down)
         if grouped:
             order, tiles = self.route_order[:Tk], self.route_tiles
             expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
-        shared = self.sh_down[:T]  # stays zero when the model has no shared expert
-        sgu = self.sh_gate_up[:T]
         if grouped and hmma.takes(L.gate_up) and hmma.takes(L.down):
-            if L.shared_gate_up is not None:  # first, while xv holds v (sgu: o's buffer, which
-                # this path leaves alone: it writes no x_rep or h)
-                self._gemm(sgu, L.shared_gate_up, v, xv)
             xg = xv if xv is not None else hmma.prepare_x(v, s)
             hmma.gemm_hmma_prepared(gu, L.gate_up, xg, flat_ids, order, s, tiles=tiles, x_div=k)
+            if xv is not None:  # (the shared gate|up read xv: before the SwiGLU's x reuses it)
+                self.side_a.join(s)
             h_limbs = hmma.prepare_x_swiglu(gu, w.reshape(Tk), cfg.swiglu_clamp[i], s)
             hmma.gemm_hmma_prepared(down, L.down, h_limbs, flat_ids, order, s, tiles=tiles)
         else:
