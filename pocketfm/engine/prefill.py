@@ -178,8 +178,7 @@ class ChunkPrefill:
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u, cq, q, kv = self.u[:T], self.cq[:T], self.q[:T], self.kv[:T]
         hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_attn, eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
-        rmsnorm(u, self.u_in[:T], L.attn_norm, eps, True, s, threads=nt, **sim)
+               cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), norm=(u, L.attn_norm), **sim)
         # every GEMM that reads u first, on one preparation of its limbs (the next GEMM's x
         # preparation, q_b's, overwrites them): q_a and its norm on the main stream, kv and
         # the compressors' on side_a, the indexer's on side_b, joined before q_b
@@ -301,8 +300,8 @@ class ChunkPrefill:
         L, nt, sim, k = eng.w.layers[i], eng.nt, eng.sim, cfg.n_experts_used
         v = self.u[:T]
         hc_pre(self.u_in[:T], self.post[:T], self.comb[:T], X, *L.hc_ffn, cfg.rms_eps,
-               cfg.hc_eps, cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T), **sim)
-        rmsnorm(v, self.u_in[:T], L.ffn_norm, cfg.rms_eps, True, s, threads=nt, **sim)
+               cfg.hc_eps, cfg.hc_iters, s, threads=nt, mix=self._hc_mix(T),
+               norm=(v, L.ffn_norm), **sim)
         ids, w = self.route_ids[:T], self.route_w[:T]
         shared = self.sh_down[:T]  # stays zero when the model has no shared expert
         sgu = self.sh_gate_up[:T]

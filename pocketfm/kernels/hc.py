@@ -462,9 +462,13 @@ def _hc_pre_finish(out_u, out_post, out_comb, X, base, scale, rms_eps, hc_eps, i
 
 
 @device.kernel
-def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, hc_eps, iters):
+def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, hc_eps, iters,
+                       out_norm, norm_w):
     """One block per token after _hc_mix_chunk: its slices' partials added (mix[s, t, r]: the
-    mix rows r < M, the sum of squares r = M), then as _hc_pre_finish."""
+    mix rows r < M, the sum of squares r = M), then as _hc_pre_finish; with a norm weight
+    (norm_w not empty) also out_norm[t] = rmsnorm(u) * norm_w, as _hc_pre_finish_u does."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    wsum = cuda.shared.array(32, np.float32)
     mv = cuda.shared.array(MAX_ROWS1, np.float32)
     pre = cuda.shared.array(MAX_HC, np.float32)
     t = cuda.blockIdx.x
@@ -475,6 +479,9 @@ def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, 
         mv[r] = v
     cuda.syncthreads()
     _pre_from_mix(out_u, out_post, out_comb, X, mv, pre, base, scale, rms_eps, hc_eps, iters, t)
+    if norm_w.shape[0] > 0:
+        cuda.syncthreads()  # the block's writes of out_u[t] are visible to all its threads
+        norm_row(out_norm, out_u, norm_w, t, rms_eps, True, scratch, wsum)
 
 
 @device.kernel
@@ -619,7 +626,8 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     before hc_post, and before the next hc_pre (its mix rewrites the partials).
 
     ``norm`` (out_norm [T, D], w [D]): also out_norm = rmsnorm(u) * w at eps rms_eps (the
-    sublayer's input norm); with ``side`` in the same launch as u, else a launch after.
+    sublayer's input norm); with ``side`` or ``mix`` in the same launch as u, else a launch
+    after.
 
     ``post_from`` (f, X_prev, post, comb): the previous sublayer's HC post is still to be done;
     X is first written as hc_post(X, f, X_prev, post, comb). With ``side`` that is the mix's
@@ -639,9 +647,9 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         mt = MIX_WARPS * MIX_TOKENS
         _mix_chunk_kernel(M)[(cdiv(T, mt), mix.shape[0]), 32 * MIX_WARPS, stream](
             mix, X.reshape(T, hc * D), fn)
-        _hc_pre_finish_mix[T, nf, stream](out_u, out_post, out_comb, X, mix, base, scale, *eps)
-        if norm is not None:
-            rmsnorm(norm[0], out_u, norm[1], rms_eps, True, stream, threads)
+        out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
+        _hc_pre_finish_mix[T, nf, stream](out_u, out_post, out_comb, X, mix, base, scale, *eps,
+                                          out_norm, norm_w)
         return
     if side is not None and plan is not None:
         part = device.stream_buffer("hc_pre partials", stream, (T, (M + 1) * plan[1]),
@@ -703,7 +711,7 @@ PTX_SIGNATURES = [
     (_hc_pre_finish,
      f"void({_PRE_OUT}, {_F3}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_pre_finish_mix,
-     f"void({_PRE_OUT}, {_F3}, {_F3}, {_F1}, {_F1}, float32, float32, int64)"),
+     f"void({_PRE_OUT}, {_F3}, {_F3}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_mix_chunk_kernel(24), f"void({_F3}, {_F2}, {_F2})"),  # V4: HC = 4
     (_hc_pre_finish_u,
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
