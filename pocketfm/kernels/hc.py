@@ -58,6 +58,7 @@ FINISH_THREADS = 512  # the finish kernels' registers do not fit 1024-thread blo
 # shared/local array sizes must be plain global constants (no arithmetic inside kernels)
 MAX_HC2, MAX_ROWS1, MAX_HC1 = MAX_HC * MAX_HC, MAX_ROWS + 1, MAX_HC + 1
 MAX_PC = MAX_HC * (MAX_HC + 1)
+POST_BLOCKS = 2048  # hc_post: blocks enough (more tokens: one a token, striding over D)
 MIX_TOKENS, MIX_WARPS = 4, 4  # _hc_mix_chunk: tokens a warp (their sums in registers), warps
 assert MIX_TOKENS * MIX_WARPS == HC_MIX_TOKENS  # (engine/layout.py sizes its workspace)
 
@@ -695,7 +696,12 @@ def hc_post(out, f, X, post, comb, stream=0, threads=None, naive=False) -> None:
         _hc_post_naive[cdiv(T * hc * D, nt), nt, stream](out, f, X, post, comb)
         return
     assert nt >= hc * hc + hc
-    _hc_post_streams[(cdiv(D, nt), T), nt, stream](out, f, X, post, comb)
+    # a prefill chunk's thousands of tokens: one block a token, its threads striding over D
+    # (a block per nt columns made 32,768 blocks of one column a thread at 2,048 tokens, each
+    # staging the coefficients and meeting a barrier for 5 loads: ~183 us on the H200 for
+    # 300 MB, 2026-12-04 (c)); a few tokens (the decode): blocks over D
+    gx = max(1, min(cdiv(D, nt), POST_BLOCKS // T))
+    _hc_post_streams[(gx, T), nt, stream](out, f, X, post, comb)
 
 
 # ---- CI lane B and the H200 benchmark -----------------------------------------------------------
@@ -723,7 +729,7 @@ PTX_SIGNATURES = [
 
 
 def _chunk_cases(stream, T: int = 2048):
-    """The prefill's HC pre over a T-token chunk: the mix kernel alone, the F32 GEMM it
+    """The prefill's HC over a T-token chunk: hc_post, the mix kernel alone, the F32 GEMM it
     replaced (gemv: mma.py's split kernel on a GPU), and mix + finish as the engine runs them."""
     rng = np.random.default_rng(1)
     hc, D = 4, 4096
@@ -747,7 +753,11 @@ def _chunk_cases(stream, T: int = 2048):
              None, stream)
 
     x_bytes, fl = T * C * 4, 2 * M * C * T
-    return [BenchCase("hc", f"hc mix T={T} (prefill chunk) _hc_mix_chunk", mix_only,
+    f, Xn = dev(rng.standard_normal((T, D))), dev(np.zeros((T, hc, D)))
+    return [BenchCase("hc", f"hc_post T={T} (prefill chunk)",
+                      lambda: hc_post(Xn, f, X, post, comb, stream),
+                      bytes=2 * x_bytes + T * D * 4, flops=2 * (hc + 1) * C * T),
+            BenchCase("hc", f"hc mix T={T} (prefill chunk) _hc_mix_chunk", mix_only,
                       bytes=M * C * 4 + x_bytes, flops=fl),
             BenchCase("hc", f"hc mix T={T} (prefill chunk) as an F32 GEMM (gemv, before)",
                       as_gemm, bytes=M * C * 4 + x_bytes, flops=fl),

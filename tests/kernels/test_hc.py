@@ -182,10 +182,14 @@ def test_hc_head(naive):
     assert rel_err(u.copy_to_host(), ref) <= 1e-4
 
 
-@pytest.mark.parametrize("naive", [False, True])
-def test_hc_post(naive):
+@pytest.mark.parametrize("naive,post_blocks", [(False, None), (True, None), (False, 2)])
+def test_hc_post(naive, post_blocks, monkeypatch):
+    """D = 40 not a multiple of the block; ``post_blocks`` 2: the prefill chunk's launch shape
+    (POST_BLOCKS // T below D's blocks: a block a token, its threads striding over D)."""
+    if post_blocks:
+        monkeypatch.setattr(hc, "POST_BLOCKS", post_blocks)
     rng = fresh_rng()
-    T, HC, D = 2, 4, 40  # D not a multiple of the block
+    T, HC, D = 2, 4, 40
     f = rng.standard_normal((T, D)).astype(np.float32)
     X = rng.standard_normal((T, HC, D)).astype(np.float32)
     post = rng.uniform(0, 2, (T, HC)).astype(np.float32)
