@@ -115,6 +115,7 @@ else:
     from .lowbit_layout import _asm_intrinsic
     _hfma2 = _asm_intrinsic("fma.rn.f16x2 $0, $1, $2, $3;", types.uint32)
 
+ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 ONE2 = 0x3C003C00  # float16 pair (1, 1)
 MINUS_1024 = 0xE400E400  # (-1024, -1024)
 MINUS_1152 = 0xE480E480  # (-1152, -1152)
@@ -489,7 +490,8 @@ def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
     tid = cuda.threadIdx.x
     j, q = uint32(tid >> 2), uint32(tid & 3)
     r = xr[j]
-    keep = uint64(0) - uint64(r >= 0)  # all ones for an entry in this pass
+    keep = ALL_ONES if r >= 0 else uint64(0)  # all ones for an entry in this pass (a select:
+    # 0 - 1 in uint64 wraps the same on a GPU, but NumPy warns of it in the simulator)
     hrow, lrow = xh[max(r, 0)], xl[max(r, 0)]
     nw = uint32(min(CH, K - kc) >> 2)
     base = uint64(kc >> 2) + uint64(q)
