@@ -214,18 +214,18 @@ class ChunkPrefill:
         o = self.o[:T]
         args = (o, q, c.window, rows)
         scale = 1.0 / math.sqrt(K)
-        fold = dict(stream=s, threads=nt, keys=self.attn_keys,
+        opts = dict(stream=s, threads=nt, keys=self.attn_keys,
                     q_norm_rope=(eps, self.pos, L.freqs))
         if cfg.is_csa(i):
             sel = self._indexer(i, T, L, c)
             attention_prefill(*args, comp, sel, self.visible[c.ratio], 0, self.pos0, L.sinks,
-                              scale, **fold)
+                              scale, **opts)
         elif c.ratio:  # HCA: every visible entry
             attention_prefill(*args, comp, self.no_sel[:T], self.visible[c.ratio], 1,
-                              self.pos0, L.sinks, scale, **fold)
+                              self.pos0, L.sinks, scale, **opts)
         else:
             attention_prefill(*args, eng.no_comp, self.no_sel[:T], self.zeros_T[:T], 0,
-                              self.pos0, L.sinks, scale, **fold)
+                              self.pos0, L.sinks, scale, **opts)
         store_chunk_rows(c.window, rows, self.pos0, stream=s, threads=nt)
         f = self.f[:T]
         self._output_projection(i, T, o, f)
