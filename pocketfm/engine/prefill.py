@@ -199,7 +199,12 @@ class ChunkPrefill:
         if xu is not None:
             self.side_a.join(s)
             self.side_b.join(s)
-        gemv(q.reshape(T, H * K), L.q_b, cq, None, s, threads=nt)
+        # cq's limbs made once, for q_b and the indexer's q_b; on CSA layers q_b beside the
+        # indexer's chain (its top-k passes leave the tensor cores idle), joined before the
+        # attention (nothing on the main stream prepares an x until then)
+        xc = self._limbs(cq, T)
+        sq = self._beside(self.side_a, xc) if cfg.is_csa(i) else s
+        self._gemm(q.reshape(T, H * K), L.q_b, cq, xc, sq)
         # (q's per-head weightless RMSNorm and RoPE, and the output's inverse RoPE: inside
         # the attention, ``q_norm_rope``)
         kv3 = kv.reshape(T, 1, K)
@@ -217,7 +222,9 @@ class ChunkPrefill:
         opts = dict(stream=s, threads=nt, keys=self.attn_keys,
                     q_norm_rope=(eps, self.pos, L.freqs))
         if cfg.is_csa(i):
-            sel = self._indexer(i, T, L, c)
+            sel = self._indexer(i, T, L, c, xc)
+            if xc is not None:
+                self.side_a.join(s)
             attention_prefill(*args, comp, sel, self.visible[c.ratio], 0, self.pos0, L.sinks,
                               scale, **opts)
         elif c.ratio:  # HCA: every visible entry
@@ -261,8 +268,9 @@ class ChunkPrefill:
         n = full.shape[2]
         return full.reshape(G * full.shape[1] * n)[:G * T * n].reshape(G, T, n)
 
-    def _indexer(self, i: int, T: int, L, c):
-        """Each token's top-k visible compressed entries, sel[T, k] (-1 pads)."""
+    def _indexer(self, i: int, T: int, L, c, xc):
+        """Each token's top-k visible compressed entries, sel[T, k] (-1 pads); ``xc``: cq's
+        prepared limbs (or None)."""
         eng, cfg, s, nt, sim = self.eng, self.cfg, self.eng.stream, self.eng.nt, self.eng.sim
         HI, DI = cfg.index_heads, cfg.index_dim
         ia, ig = (x[:T] for x in self.idx_in)  # (its GEMMs on u ran with the attention's)
@@ -276,7 +284,7 @@ class ChunkPrefill:
                          L.idx_norm, L.freqs, cfg.rms_eps, MODE_INDEX_FP4, None, keys,
                          scratch=self.idx_scratch, stream=s, threads=nt)
         qi, qi_rot, w = self.qi[:T], self.qi_rot[:T], self.idx_w[:T]
-        gemv(qi.reshape(T, HI * DI), L.idx_q_b, self.cq[:T], None, s, threads=nt)
+        self._gemm(qi.reshape(T, HI * DI), L.idx_q_b, self.cq[:T], xc)
         hadamard_fp4(qi_rot, qi, True, stream=s, threads=nt, rope=(self.pos, L.freqs), **sim)
         sk.scale(w, index_weight_scale(cfg), s)
         n_keys = max(1, self.end // c.ratio)  # entries visible to the chunk's last token
