@@ -583,6 +583,13 @@ def _split_plan(D: int, hc: int, rows: int):
     return None
 
 
+def _mix_chunk(part, X2, fn, stream) -> None:
+    """Launch _hc_mix_chunk: part [S, T, M+1] <- the column slices' partials of X2 [T, C]."""
+    T = X2.shape[0]
+    grid = (cdiv(T, MIX_WARPS * MIX_TOKENS), part.shape[0])
+    _mix_chunk_kernel(fn.shape[0])[grid, 32 * MIX_WARPS, stream](part, X2, fn)
+
+
 def _finish_threads(D: int, threads=None) -> int:
     """Block size of the finish kernels: UNROLL u values a thread, at most FINISH_THREADS."""
     return _threads(threads, min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32)))
@@ -645,9 +652,7 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     if mix is not None:  # a chunk: the mix as one GEMM, fn read once a token group
         if mix.shape[1:] != hc_mix_shape(T, hc)[1:]:
             raise ValueError(f"hc_pre: mix workspace {mix.shape}, need [S, {T}, {M + 1}]")
-        mt = MIX_WARPS * MIX_TOKENS
-        _mix_chunk_kernel(M)[(cdiv(T, mt), mix.shape[0]), 32 * MIX_WARPS, stream](
-            mix, X.reshape(T, hc * D), fn)
+        _mix_chunk(mix, X.reshape(T, hc * D), fn, stream)
         out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
         _hc_pre_finish_mix[T, nf, stream](out_u, out_post, out_comb, X, mix, base, scale, *eps,
                                           out_norm, norm_w)
@@ -742,11 +747,6 @@ def _chunk_cases(stream, T: int = 2048):
     base, scale = dev(rng.standard_normal(M)), dev(rng.uniform(0.5, 2, 3))
     u, post, comb = dev(np.zeros((T, D))), dev(np.zeros((T, hc))), dev(np.zeros((T, hc, hc)))
     mix, gemm_out = dev(np.zeros(hc_mix_shape(T, hc))), dev(np.zeros((T, M)))
-    mt = MIX_WARPS * MIX_TOKENS
-
-    def mix_only():
-        _mix_chunk_kernel(M)[(cdiv(T, mt), mix.shape[0]), 32 * MIX_WARPS, stream](
-            mix, X.reshape(T, C), fn)
 
     def as_gemm():
         gemv(gemm_out, QWeight(GGMLType.F32, M, C, 1, (fn.reshape(1, M, C),)), X.reshape(T, C),
@@ -757,7 +757,8 @@ def _chunk_cases(stream, T: int = 2048):
     return [BenchCase("hc", f"hc_post T={T} (prefill chunk)",
                       lambda: hc_post(Xn, f, X, post, comb, stream),
                       bytes=2 * x_bytes + T * D * 4, flops=2 * (hc + 1) * C * T),
-            BenchCase("hc", f"hc mix T={T} (prefill chunk) _hc_mix_chunk", mix_only,
+            BenchCase("hc", f"hc mix T={T} (prefill chunk) _hc_mix_chunk",
+                      lambda: _mix_chunk(mix, X.reshape(T, C), fn, stream),
                       bytes=M * C * 4 + x_bytes, flops=fl),
             BenchCase("hc", f"hc mix T={T} (prefill chunk) as an F32 GEMM (gemv, before)",
                       as_gemm, bytes=M * C * 4 + x_bytes, flops=fl),
