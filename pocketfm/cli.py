@@ -320,6 +320,9 @@ def inspect(path, all_keys):
 @click.option("--ncu-step", is_flag=True,
               help="Then run one more step eagerly on one stream between cudaProfilerStart and "
                    "Stop: under `ncu --profile-from-start off` a per-kernel profile of one step.")
+@click.option("--ncu-chunk", is_flag=True,
+              help="With --prefill: then run its last chunk again, on one stream, between "
+                   "cudaProfilerStart and Stop (a per-kernel profile of one chunk under ncu).")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
@@ -342,8 +345,8 @@ def inspect(path, all_keys):
                    "copies (--kv-swap) [default: as run --kv-swap, 2; 0: copies at the "
                    "boundary].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, prefill, prefill_chunk,
-          kv_swap, gpu_chunks, interval, churn, commit_lag, as_json):
+def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, prefill,
+          prefill_chunk, kv_swap, gpu_chunks, interval, churn, commit_lag, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -360,6 +363,8 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, prefill, pre
     if ctx + prefill + tokens + 3 + int(ncu_step) > cfg.ctx_train:
         raise InputError(f"--ctx {ctx}: with --prefill {prefill} and --tokens {tokens} exceeds "
                          f"the {preset_name} context_length {cfg.ctx_train}")
+    if ncu_chunk and not prefill:
+        raise InputError("--ncu-chunk: needs --prefill N (the chunk it profiles)")
     resolve_device("cuda")
     from .engine.bench import run_bench
 
@@ -379,14 +384,14 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, prefill, pre
         if ctx // 4 <= slots:
             raise InputError(f"--kv-swap: --ctx {ctx} has {ctx // 4} chunks, not more than the "
                              f"{slots} staging slots: nothing to swap")
-        if profile or ncu_step:
-            flag = "--profile" if profile else "--ncu-step"
+        if profile or ncu_step or ncu_chunk:
+            flag = "--profile" if profile else "--ncu-step" if ncu_step else "--ncu-chunk"
             raise InputError(f"{flag}: not with --kv-swap (profile the step without it)")
     elif gpu_chunks is not None or commit_lag is not None:
         raise InputError(f"--{'gpu-chunks' if gpu_chunks is not None else 'commit-lag'}: only "
                          "meaningful with --kv-swap")
     r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk,
-                  slots, interval, churn, commit_lag, ncu=ncu_step)
+                  slots, interval, churn, commit_lag, ncu=ncu_step, ncu_prefill=ncu_chunk)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, **r)))
         return

@@ -27,9 +27,11 @@ def test_bench_prefill_beyond_the_model():
 def test_bench_tiny_in_the_simulator():
     """A 42-position fill, then 2 tokens through the chunked prefill (the second completes a
     CSA entry: position 43), then one decode step (and the --ncu-step one, eager on one
-    stream: no profiler in the simulator). A simulated prefill token costs ~20 s: 2, not 4."""
+    stream, and the --ncu-chunk chunk again: no profiler in the simulator). A simulated
+    prefill token costs seconds: 2, not 4."""
     code, out, err = bench("--preset", "tiny", "--ctx", "42", "--prefill", "2",
-                           "--prefill-chunk", "2", "--tokens", "1", "--ncu-step", "--json")
+                           "--prefill-chunk", "2", "--tokens", "1", "--ncu-step", "--ncu-chunk",
+                           "--json")
     assert code == 0, err
     r = json.loads(out.strip().splitlines()[-1])
     assert r["ctx"] == 44 and r["decode_tok_s"] > 0
@@ -60,8 +62,15 @@ def test_bench_kv_swap_in_the_simulator():
     assert st["misses"] == r["swap_in_rows"] + 4 and st["late_misses"] == 0
 
 
+def test_bench_ncu_chunk_needs_a_prefill():
+    code, _, err = bench("--preset", "tiny", "--ctx", "42", "--ncu-chunk")
+    lines = err.strip().splitlines()
+    assert code == 2 and lines == ["error: --ncu-chunk: needs --prefill N (the chunk it "
+                                   "profiles)"], err
+
+
 def test_bench_profiling_is_refused_with_kv_swap():
-    for flag in ("--profile", "--ncu-step"):
+    for flag in ("--profile", "--ncu-step", "--ncu-chunk"):
         code, _, err = bench("--preset", "tiny", "--ctx", "420", "--kv-swap", "--gpu-chunks",
                              "100", flag)
         lines = err.strip().splitlines()

@@ -211,6 +211,7 @@ def profile_chunk(pf, p0: int, T: int) -> dict:
             label = f"gemv {names.get(id(a[1]), '?')}" if n == "gemv" else n
             ms[label] += (time.perf_counter() - t0) * 1e3
         return call
+    branches, pf.branches = pf.branches, False  # (one stream: each launch timed alone)
     try:
         for n, fn in saved.items():
             setattr(prefill, n, timed(n, fn))
@@ -222,7 +223,28 @@ def profile_chunk(pf, p0: int, T: int) -> dict:
     finally:
         for n, fn in saved.items():
             setattr(prefill, n, fn)
+        pf.branches = branches
     return dict(chunk_ms=total, by_launcher=dict(ms.most_common()))
+
+
+def ncu_chunk(pf, p0: int, T: int) -> None:
+    """One prefill chunk at position p0 again (the same tokens: the caches end as they were),
+    launched on one stream between cudaProfilerStart and Stop, for Nsight Compute: ``ncu
+    --profile-from-start off --metrics gpu__time_duration.sum ... pocketfm bench --prefill N
+    --ncu-chunk`` then times every kernel of one chunk alone. The simulator has no profiler:
+    the chunk just runs."""
+    branches, pf.branches = pf.branches, False
+    s = pf.eng.stream
+    try:
+        s.synchronize()
+        if not device.SIMULATOR:
+            cuda.profile_start()
+        pf.chunk(p0, T)
+        s.synchronize()
+    finally:
+        if not device.SIMULATOR:
+            cuda.profile_stop()
+        pf.branches = branches
 
 
 def _weight_names(eng) -> dict:
@@ -339,12 +361,14 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
               progress=None, profile: bool = False, prefill: int = 0,
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
-              churn: float = 0.1, lag: int | None = None, ncu: bool = False) -> dict:
+              churn: float = 0.1, lag: int | None = None, ncu: bool = False,
+              ncu_prefill: bool = False) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
     replays after its boundary (None: as ``run --kv-swap``). ``ncu``: then one more step for
-    Nsight Compute (``ncu_step``; not with kv_swap)."""
+    Nsight Compute (``ncu_step``; not with kv_swap); ``ncu_prefill``: the last prefill chunk
+    again for it (``ncu_chunk``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
@@ -397,6 +421,9 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
             extra["prefill_profile"] = profile_chunk(eng.prefill(prefill_chunk), ctx - T, T)
     if ncu:
         ncu_step(eng)
+    if ncu_prefill and prefill:
+        T = min(prefill_chunk, prefill)
+        ncu_chunk(eng.prefill(prefill_chunk), ctx - T, T)
     return dict(
         **extra, **pre, preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
         decode_tok_s=1e3 / step_ms, step_ms=step_ms,

@@ -63,6 +63,7 @@ class ChunkPrefill:
         # small ones leave most SMs idle alone); only on hmma.py's path, whose GEMMs read the
         # main stream's prepared limbs and allocate nothing per stream
         self.side_a, self.side_b = device.SideStream(), device.SideStream()
+        self.branches = True  # False: everything on the main stream (launch-by-launch timing)
         self._alloc()
         self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
 
@@ -170,7 +171,9 @@ class ChunkPrefill:
     def _beside(self, side, limbs):
         """The stream for GEMMs of ``limbs`` beside the main chain: ``side`` forked from the
         main stream now (after the limbs' preparation), or the main stream without limbs."""
-        return side.fork(self.eng.stream) if limbs is not None else self.eng.stream
+        if limbs is None or not self.branches:
+            return self.eng.stream
+        return side.fork(self.eng.stream)
 
     def _attention(self, i: int, T: int, X, X_out) -> None:
         eng, cfg, s = self.eng, self.cfg, self.eng.stream
