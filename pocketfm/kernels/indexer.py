@@ -671,6 +671,10 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
 # masks rotate so a chunk's mask is cleared two barriers before it is reused.
 _EQ_WORDS = 32  # mask words per chunk: blockDim <= 1024
 _EQ_LEN = 3 * _EQ_WORDS  # (a literal for cuda.shared.array)
+# entries a thread loads before it uses the first: a row's pass with one load in flight a
+# thread waits out a memory latency per entry (~65K entries a row, 512 threads: 128 in turn;
+# H200, 2026-12-04 (c): 0.72 ms a call of ~680 rows of 65,536, four passes each)
+_ROW_ILP = 8
 
 
 @device.kernel
@@ -692,6 +696,7 @@ def _topk_chunk_radix_select(out_idx, bits, n_visible):
     buf = cuda.shared.array(1024, int32)
     found = cuda.shared.array(4, int32)  # digit, count above it, count in it; slot counter
     eqmask = cuda.shared.array(_EQ_LEN, uint32)
+    got = cuda.local.array(_ROW_ILP, uint32)
     for i in range(tid, _EQ_LEN, nt):
         eqmask[i] = 0
     if tid == 0:
@@ -706,10 +711,13 @@ def _topk_chunk_radix_select(out_idx, bits, n_visible):
         for i in range(tid, nb, nt):
             hist[i] = 0  # (the previous pass read hist before _pick_digit's last barrier)
         cuda.syncthreads()
-        for j in range(tid, n, nt):
-            u = _order_key(row[j])
-            if (u & pmask) == prefix:
-                cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+        for j0 in range(tid, n, nt * _ROW_ILP):
+            for e in range(_ROW_ILP):  # (clamped: every load goes out before the first use)
+                got[e] = row[min(j0 + e * nt, n - 1)]
+            for e in range(_ROW_ILP):
+                u = _order_key(got[e])
+                if j0 + e * nt < n and (u & pmask) == prefix:
+                    cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
         cuda.syncthreads()
         _pick_digit(hist, 0, nb, need, buf, found)
         prefix |= int(found[0]) << shift
@@ -718,15 +726,23 @@ def _topk_chunk_radix_select(out_idx, bits, n_visible):
         done = int(found[2]) == need
         if done:
             break
+    if done:  # the entries matching ``prefix`` are exactly the ones still needed: no ranks
+        for j0 in range(tid, n, nt * _ROW_ILP):
+            for e in range(_ROW_ILP):
+                got[e] = row[min(j0 + e * nt, n - 1)]
+            for e in range(_ROW_ILP):
+                if j0 + e * nt < n and (_order_key(got[e]) & pmask) >= prefix:
+                    out[cuda.atomic.add(found, 3, 1)] = j0 + e * nt
+        return
     lane = uint32(tid & 31)
     below = (uint32(1) << lane) - uint32(1)  # this thread's lower lanes in its mask word
     run = 0  # entries equal to the threshold in earlier chunks (block-uniform)
     for c in range((n + nt - 1) // nt):
         j = c * nt + tid
         u = (_order_key(row[j]) & pmask) if j < n else -1
-        if u > prefix or (done and u == prefix):
+        if u > prefix:
             out[cuda.atomic.add(found, 3, 1)] = j
-        if not done and run < need:  # block-uniform: run comes from syncthreads_count
+        if run < need:  # block-uniform: run comes from syncthreads_count
             m = _EQ_WORDS * (c % 3)
             eq = u == prefix
             if eq:
