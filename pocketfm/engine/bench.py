@@ -211,19 +211,18 @@ def profile_chunk(pf, p0: int, T: int) -> dict:
             label = f"gemv {names.get(id(a[1]), '?')}" if n == "gemv" else n
             ms[label] += (time.perf_counter() - t0) * 1e3
         return call
-    branches, pf.branches = pf.branches, False  # (one stream: each launch timed alone)
     try:
         for n, fn in saved.items():
             setattr(prefill, n, timed(n, fn))
         s.synchronize()
         t0 = time.perf_counter()
-        pf.chunk(p0, T)
+        with pf.one_stream():
+            pf.chunk(p0, T)
         s.synchronize()
         total = (time.perf_counter() - t0) * 1e3
     finally:
         for n, fn in saved.items():
             setattr(prefill, n, fn)
-        pf.branches = branches
     return dict(chunk_ms=total, by_launcher=dict(ms.most_common()))
 
 
@@ -233,18 +232,17 @@ def ncu_chunk(pf, p0: int, T: int) -> None:
     --profile-from-start off --metrics gpu__time_duration.sum ... pocketfm bench --prefill N
     --ncu-chunk`` then times every kernel of one chunk alone. The simulator has no profiler:
     the chunk just runs."""
-    branches, pf.branches = pf.branches, False
     s = pf.eng.stream
+    s.synchronize()
     try:
-        s.synchronize()
         if not device.SIMULATOR:
             cuda.profile_start()
-        pf.chunk(p0, T)
+        with pf.one_stream():
+            pf.chunk(p0, T)
         s.synchronize()
     finally:
         if not device.SIMULATOR:
             cuda.profile_stop()
-        pf.branches = branches
 
 
 def _weight_names(eng) -> dict:
