@@ -361,3 +361,15 @@ def test_attention_prefill_v4_shapes(hca, mma, keys):
                          d["pos0"], d["sinks"], 1 / math.sqrt(K4), mma=mma,
                          keys=nan_keys(ncap, W4, T, K4) if keys else None)
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
+def test_q_norm_rope_refuses_freqs_of_another_rope_width():
+    """The tensor-core fold reads freqs[(d - NOPE) / 2]: a table for another R is refused."""
+    rng = fresh_rng()
+    x = inputs(rng, 9, 2, 4, 4)
+    d = {k: cuda.to_device(v) for k, v in x.items()}
+    sel, nvis = cuda.to_device(csa_sel(rng, 2, 8)), cuda.to_device(np.full(2, 9, np.int32))
+    wrong = (1e-6, cuda.to_device(np.array([9, 10], np.int32)), cuda.to_device(np.ones(R)))
+    with pytest.raises(ValueError, match="freqs"):
+        ap.attention_prefill(poisoned((2, 4, K)), d["q"], d["win"], d["chunk"], d["comp"], sel,
+                             nvis, 0, d["pos0"], d["sinks"], 0.1, mma=True, q_norm_rope=wrong)
