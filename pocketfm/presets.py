@@ -7,6 +7,8 @@ that indexer top-k decisions are free of exact ties.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .config import ModelConfig
@@ -77,3 +79,17 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise InputError(f"--preset {name!r}: expected one of {', '.join(PRESETS)}")
     return PRESETS[name]()
+
+
+def first_layers(cfg: ModelConfig, n: int, flag: str = "--layers") -> ModelConfig:
+    """The geometry cut to its first ``n`` blocks: each kept layer is the full model's (same type,
+    same shapes), so a per-layer time measured on it is the full model's. For a bench of the
+    ``flash`` geometry on a card smaller than its 87 GB of weights."""
+    if not 1 <= n <= cfg.n_layers:
+        raise InputError(f"{flag} {n}: expected 1 to {cfg.n_layers} (the model's layers)")
+    cut = dataclasses.replace(
+        cfg, n_layers=n, compress_ratios=cfg.compress_ratios[:n],
+        swiglu_clamp=cfg.swiglu_clamp[:n], swiglu_clamp_shared=cfg.swiglu_clamp_shared[:n],
+        n_hash_layers=min(cfg.n_hash_layers, n))
+    cut.validate("preset")
+    return cut

@@ -83,3 +83,33 @@ def test_bench_kv_swap_bad_input():
     assert code == 2 and "--commit-lag 2: expected < --interval 2" in err, err
     code, _, err = bench("--preset", "tiny", "--ctx", "420", "--commit-lag", "1")
     assert code == 2 and "--commit-lag: only meaningful with --kv-swap" in err, err
+
+
+def test_bench_layers_out_of_range():
+    for n in ("0", "6"):
+        code, _, err = bench("--preset", "tiny", "--ctx", "42", "--layers", n)
+        lines = err.strip().splitlines()
+        assert code == 2 and lines == [f"error: --layers {n}: expected 1 to 5 (the model's "
+                                       "layers)"], err
+
+
+def test_first_layers_keeps_each_layer_as_in_the_model():
+    from pocketfm.presets import first_layers, preset
+
+    full = preset("flash")
+    cut = first_layers(full, 30)
+    assert cut.n_layers == 30 and cut.compress_ratios == full.compress_ratios[:30]
+    assert cut.n_hash_layers == full.n_hash_layers and cut.dim == full.dim
+    assert cut.n_params() < 0.75 * full.n_params()
+    assert first_layers(preset("tiny"), 1).n_hash_layers == 1
+
+
+def test_bench_first_layers_in_the_simulator():
+    """--layers 2 of tiny: a window-only layer and a CSA one, so the bytes read are theirs (at
+    ctx 42, 10 compressed entries: all 10 keys scored, the top 8 attended)."""
+    code, out, err = bench("--preset", "tiny", "--ctx", "42", "--tokens", "1", "--layers", "2",
+                           "--json")
+    assert code == 0, err
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["layers"] == 2 and r["decode_tok_s"] > 0
+    assert r["bytes_per_token"]["kv_and_index"] == 200 * (2 * 16 + 8) + 10 * 36
