@@ -664,7 +664,9 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
 # ---- top-k: chunk form, one block per token ---------------------------------------------------
 # A prefill chunk selects for T tokens at once, each among its own n_visible[t] entries: block t
 # runs the three digit passes above on row t with the histogram in shared memory (no grid
-# barrier, no workspace), then one write-out pass over the row. Entries above the threshold take
+# barrier, no workspace), then one write-out pass over the row. (Or, where the first pass's
+# threshold bin is small, one more pass lists the bin's entries in shared memory and the rest
+# runs on the list: _topk_chunk_kernel.) Entries above the threshold take
 # slots 0 .. k-need-1 through a shared counter; entries equal to it take the last ``need`` slots
 # in index order, ranked by a 0/1 block scan per chunk of blockDim entries: each thread sets its
 # bit in a shared mask and counts the set bits below it (popc), one barrier per chunk. Three
@@ -677,96 +679,156 @@ _EQ_LEN = 3 * _EQ_WORDS  # (a literal for cuda.shared.array)
 _ROW_ILP = 8
 
 
-@device.kernel
-def _topk_chunk_radix_select(out_idx, bits, n_visible):
-    """out_idx[T, k] <- bits[T, N] (the scores as uint32), n_visible[T]; a block per row t
-    (grid T), blockDim <= 1024."""
-    k = out_idx.shape[1]
-    t = cuda.blockIdx.x
-    n = min(int(n_visible[t]), bits.shape[1])
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    row = bits[t]
-    out = out_idx[t]
-    if n <= k:  # everything visible is selected (block-uniform branch)
-        for i in range(tid, k, nt):
-            out[i] = i if i < n else -1
-        return
-    hist = cuda.shared.array(_HIST, int32)
-    buf = cuda.shared.array(1024, int32)
-    found = cuda.shared.array(4, int32)  # digit, count above it, count in it; slot counter
-    eqmask = cuda.shared.array(_EQ_LEN, uint32)
-    got = cuda.local.array(_ROW_ILP, uint32)
-    for i in range(tid, _EQ_LEN, nt):
-        eqmask[i] = 0
-    if tid == 0:
-        found[3] = 0
-    prefix = 0
-    pmask = 0
-    need = k  # how many of the entries matching ``prefix`` still belong to the top k
-    done = False  # the entries matching ``prefix`` are exactly ``need``: all are taken
-    for p in range(3):
-        shift = 21 - 11 * p if p < 2 else 0
-        nb = _HIST if p < 2 else 1024
-        for i in range(tid, nb, nt):
-            hist[i] = 0  # (the previous pass read hist before _pick_digit's last barrier)
-        cuda.syncthreads()
-        for j0 in range(tid, n, nt * _ROW_ILP):
-            for e in range(_ROW_ILP):  # (clamped: every load goes out before the first use)
-                got[e] = row[min(j0 + e * nt, n - 1)]
-            for e in range(_ROW_ILP):
-                u = _order_key(got[e])
-                if j0 + e * nt < n and (u & pmask) == prefix:
-                    cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
-        cuda.syncthreads()
-        _pick_digit(hist, 0, nb, need, buf, found)
-        prefix |= int(found[0]) << shift
-        pmask |= (nb - 1) << shift
-        need -= int(found[1])
-        done = int(found[2]) == need
-        if done:
-            break
-    if done:  # the entries matching ``prefix`` are exactly the ones still needed: no ranks
-        for j0 in range(tid, n, nt * _ROW_ILP):
-            for e in range(_ROW_ILP):
-                got[e] = row[min(j0 + e * nt, n - 1)]
-            for e in range(_ROW_ILP):
-                if j0 + e * nt < n and (_order_key(got[e]) & pmask) >= prefix:
-                    out[cuda.atomic.add(found, 3, 1)] = j0 + e * nt
-        return
-    lane = uint32(tid & 31)
-    below = (uint32(1) << lane) - uint32(1)  # this thread's lower lanes in its mask word
-    run = 0  # entries equal to the threshold in earlier chunks (block-uniform)
-    for c in range((n + nt - 1) // nt):
-        j = c * nt + tid
-        u = (_order_key(row[j]) & pmask) if j < n else -1
-        if u > prefix:
-            out[cuda.atomic.add(found, 3, 1)] = j
-        if run < need:  # block-uniform: run comes from syncthreads_count
-            m = _EQ_WORDS * (c % 3)
-            eq = u == prefix
-            if eq:
-                cuda.atomic.or_(eqmask, m + (tid >> 5), uint32(1) << lane)
-            cnt = cuda.syncthreads_count(int32(1 if eq else 0))
-            if eq:
-                rank = run + int(cuda.popc(eqmask[m + (tid >> 5)] & below))
-                for i in range(tid >> 5):
-                    rank += int(cuda.popc(eqmask[m + i]))
-                if rank < need:
-                    out[k - need + rank] = j
-            # chunk c-1's mask: read before this chunk's barrier, next set in chunk c+2
-            for i in range(tid, _EQ_WORDS, nt):
-                eqmask[_EQ_WORDS * ((c + 2) % 3) + i] = 0
-            run += cnt
+_CAND = 4096  # candidates a block keeps in shared memory (the threshold's top-digit bin)
+_CHUNK_TOPK: dict = {}
 
 
-def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None) -> None:
+def _topk_chunk_kernel(cand: int):
+    """The chunk top-k kernel keeping up to ``cand`` candidates in shared memory (a closure
+    constant: the arrays' size). After the first digit pass, a row whose threshold bin holds
+    at most ``cand`` entries is read once more: entries above the bin are picks, written at
+    once, and the bin's entries (index, key) go to a shared list, on which the other two digit
+    passes and the write-out run. Two passes over the row instead of four; a larger bin takes
+    the row passes below."""
+    if cand in _CHUNK_TOPK:
+        return _CHUNK_TOPK[cand]
+
+    @device.kernel
+    def _topk_chunk_radix_select(out_idx, bits, n_visible):
+        """out_idx[T, k] <- bits[T, N] (the scores as uint32), n_visible[T]; a block per row
+        t (grid T), blockDim <= 1024."""
+        k = out_idx.shape[1]
+        t = cuda.blockIdx.x
+        n = min(int(n_visible[t]), bits.shape[1])
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        row = bits[t]
+        out = out_idx[t]
+        if n <= k:  # everything visible is selected (block-uniform branch)
+            for i in range(tid, k, nt):
+                out[i] = i if i < n else -1
+            return
+        hist = cuda.shared.array(_HIST, int32)
+        buf = cuda.shared.array(1024, int32)
+        found = cuda.shared.array(5, int32)  # digit, above it, in it; slot, candidate counters
+        eqmask = cuda.shared.array(_EQ_LEN, uint32)
+        cidx = cuda.shared.array(cand, int32)  # the candidates: index, order key
+        ckey = cuda.shared.array(cand, uint32)
+        got = cuda.local.array(_ROW_ILP, uint32)
+        for i in range(tid, _EQ_LEN, nt):
+            eqmask[i] = 0
+        if tid == 0:
+            found[3] = 0
+            found[4] = 0
+        prefix = 0
+        pmask = 0
+        need = k  # how many of the entries matching ``prefix`` still belong to the top k
+        done = False  # the entries matching ``prefix`` are exactly ``need``: all are taken
+        listed = False  # the bin's entries are in cidx / ckey (block-uniform)
+        ncand = 0
+        for p in range(3):
+            shift = 21 - 11 * p if p < 2 else 0
+            nb = _HIST if p < 2 else 1024
+            for i in range(tid, nb, nt):
+                hist[i] = 0  # (the previous pass read hist before _pick_digit's last barrier)
+            cuda.syncthreads()
+            if listed:
+                for i in range(tid, ncand, nt):
+                    u = int(ckey[i])
+                    if (u & pmask) == prefix:
+                        cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+            else:
+                for j0 in range(tid, n, nt * _ROW_ILP):
+                    for e in range(_ROW_ILP):  # (clamped: every load out before the first use)
+                        got[e] = row[min(j0 + e * nt, n - 1)]
+                    for e in range(_ROW_ILP):
+                        u = _order_key(got[e])
+                        if j0 + e * nt < n and (u & pmask) == prefix:
+                            cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+            cuda.syncthreads()
+            _pick_digit(hist, 0, nb, need, buf, found)
+            prefix |= int(found[0]) << shift
+            pmask |= (nb - 1) << shift
+            need -= int(found[1])
+            done = int(found[2]) == need
+            if done:
+                break
+            if p == 0 and int(found[2]) <= cand:  # the row once more: picks and candidates
+                for j0 in range(tid, n, nt * _ROW_ILP):
+                    for e in range(_ROW_ILP):
+                        got[e] = row[min(j0 + e * nt, n - 1)]
+                    for e in range(_ROW_ILP):
+                        key = _order_key(got[e])
+                        if j0 + e * nt < n:
+                            if (key & pmask) > prefix:
+                                out[cuda.atomic.add(found, 3, 1)] = j0 + e * nt
+                            elif (key & pmask) == prefix:
+                                slot = cuda.atomic.add(found, 4, 1)
+                                cidx[slot] = j0 + e * nt
+                                ckey[slot] = uint32(key)
+                cuda.syncthreads()
+                listed = True
+                ncand = int(found[4])
+        if listed:  # the write-out from the list: ties ranked by index among the list's
+            for i in range(tid, ncand, nt):
+                u = int(ckey[i]) & pmask
+                if u > prefix or u == prefix and done:
+                    out[cuda.atomic.add(found, 3, 1)] = cidx[i]
+                elif u == prefix:  # (exact ties at the k-th score: rare, O(ties x list))
+                    j = cidx[i]
+                    rank = 0
+                    for o in range(ncand):
+                        if (int(ckey[o]) & pmask) == prefix and cidx[o] < j:
+                            rank += 1
+                    if rank < need:
+                        out[k - need + rank] = j
+            return
+        if done:  # the entries matching ``prefix`` are exactly the ones still needed: no ranks
+            for j0 in range(tid, n, nt * _ROW_ILP):
+                for e in range(_ROW_ILP):
+                    got[e] = row[min(j0 + e * nt, n - 1)]
+                for e in range(_ROW_ILP):
+                    if j0 + e * nt < n and (_order_key(got[e]) & pmask) >= prefix:
+                        out[cuda.atomic.add(found, 3, 1)] = j0 + e * nt
+            return
+        lane = uint32(tid & 31)
+        below = (uint32(1) << lane) - uint32(1)  # this thread's lower lanes in its mask word
+        run = 0  # entries equal to the threshold in earlier chunks (block-uniform)
+        for c in range((n + nt - 1) // nt):
+            j = c * nt + tid
+            u = (_order_key(row[j]) & pmask) if j < n else -1
+            if u > prefix:
+                out[cuda.atomic.add(found, 3, 1)] = j
+            if run < need:  # block-uniform: run comes from syncthreads_count
+                m = _EQ_WORDS * (c % 3)
+                eq = u == prefix
+                if eq:
+                    cuda.atomic.or_(eqmask, m + (tid >> 5), uint32(1) << lane)
+                cnt = cuda.syncthreads_count(int32(1 if eq else 0))
+                if eq:
+                    rank = run + int(cuda.popc(eqmask[m + (tid >> 5)] & below))
+                    for i in range(tid >> 5):
+                        rank += int(cuda.popc(eqmask[m + i]))
+                    if rank < need:
+                        out[k - need + rank] = j
+                # chunk c-1's mask: read before this chunk's barrier, next set in chunk c+2
+                for i in range(tid, _EQ_WORDS, nt):
+                    eqmask[_EQ_WORDS * ((c + 2) % 3) + i] = 0
+                run += cnt
+
+    _CHUNK_TOPK[cand] = _topk_chunk_radix_select
+    return _topk_chunk_radix_select
+
+
+def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None,
+               cand: int = _CAND) -> None:
     """out_idx[T, k] int32 <- for every token t, the indices of the k largest scores[t, j] f32
     among j < n_visible[t] (scores[T, N], n_visible[T] int32): the prefill form of ``topk``.
 
     One launch, one block per token; same tie rule and -1 padding as ``topk``, order within a
     row arbitrary (the prefill sorts the rows). No workspace and no host sync, so it can be
-    captured in a graph.
+    captured in a graph. ``cand``: the shared candidate list's size (tests: a small one sends
+    rows down the four-pass path).
     """
     T = scores.shape[0]
     if out_idx.shape != (T, k):
@@ -774,7 +836,7 @@ def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None) -> No
     if T == 0:
         return
     nt = min(threads or TOPK_THREADS, 1024)
-    _topk_chunk_radix_select[T, nt, stream](out_idx, scores.view(np.uint32), n_visible)
+    _topk_chunk_kernel(cand)[T, nt, stream](out_idx, scores.view(np.uint32), n_visible)
 
 
 # ---- CI lane B and the benchmark --------------------------------------------------------------
@@ -790,7 +852,7 @@ PTX_SIGNATURES = [
     (_V4_SCORERS[1], _CHUNK_SIG),
     (_topk_rank, "void(int32[::1], float32[::1], int32[::1])"),
     (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1])"),
-    (_topk_chunk_radix_select, "void(int32[:, ::1], uint32[:, ::1], int32[::1])"),
+    (_topk_chunk_kernel(_CAND), "void(int32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 
 

@@ -147,11 +147,11 @@ def test_topk_reuses_its_workspace():
     assert not work.copy_to_host()[:3 * ix._HIST].any()
 
 
-def run_topk_chunk(scores, nv, k, threads=THREADS):
+def run_topk_chunk(scores, nv, k, threads=THREADS, cand=ix._CAND):
     T = scores.shape[0]
     out = cuda.to_device(np.full((T, k), -7, np.int32))  # an unwritten slot shows as -7
     ix.topk_chunk(out, cuda.to_device(scores.astype(np.float32)),
-                  cuda.to_device(np.asarray(nv, np.int32)), k, threads=threads)
+                  cuda.to_device(np.asarray(nv, np.int32)), k, threads=threads, cand=cand)
     ref = np.empty((T, k), np.int32)
     ix.topk_chunk_ref(ref, scores, np.asarray(nv), k)
     alt = np.empty((T, k), np.int64)  # the model's op: same tie rule, independent code
@@ -190,8 +190,10 @@ def test_topk_chunk_ties_and_visible_counts(threads):
     assert top[k - 1] == top[k]  # the k-th value really is tied across the cut
 
 
-def test_topk_chunk_distinct_scores():
-    """Tie-free rows (one to three digit passes), N not a multiple of the block."""
+@pytest.mark.parametrize("cand", [ix._CAND, 8])
+def test_topk_chunk_distinct_scores(cand):
+    """Tie-free rows (one to three digit passes), N not a multiple of the block; the bins
+    listed in shared memory, and (cand 8: more than 8 in the bin) the rows read each pass."""
     rng = fresh_rng()
     T, N, k = (3, 601, 64) if SIMULATOR else (8, 262_144, 512)
     scores = rng.normal(size=(T, N)).astype(np.float32) * np.float32(30.0)
@@ -199,7 +201,22 @@ def test_topk_chunk_distinct_scores():
     nv = np.array([N, N - 100, k + 37])
     if not SIMULATOR:
         nv = np.linspace(k + 1, N, T).astype(np.int64)
-    run_topk_chunk(scores, nv, k)
+    run_topk_chunk(scores, nv, k, cand=cand)
+
+
+def test_topk_chunk_ties_in_a_listed_bin():
+    """A few exact ties at the k-th score, the threshold bin small enough to be listed: the
+    lowest indices of the tied entries win, ranked on the list. Row 1: all tied are taken."""
+    rng = fresh_rng()
+    T, N, k = (2, 500, 32) if SIMULATOR else (2, 65_536, 512)
+    scores = rng.normal(size=(T, N)).astype(np.float32)
+    for t, ties in ((0, 5), (1, 1)):
+        kth = np.sort(scores[t])[::-1][k - 1]
+        others = np.flatnonzero(scores[t] < kth)
+        scores[t, rng.choice(others, ties, replace=False)] = kth  # ties + 1 entries at kth
+    out, ref = run_topk_chunk(scores, np.array([N, N]), k)
+    kth = np.sort(scores[0])[::-1][k - 1]
+    assert (scores[0] == kth).sum() == 6 and (np.sort(scores[0])[::-1][k] == kth)
 
 
 def test_topk_chunk_minus_inf_threshold():
