@@ -941,9 +941,10 @@ def bench_cases(stream) -> list[BenchCase]:
         nv = cuda.to_device(nv_host, stream=stream)
         idx = cuda.device_array((T, k), np.int32, stream=stream)
 
-        def launch(idx=idx, scores=scores, nv=nv):
-            topk_chunk(idx, scores, nv, k, stream=stream)
+        for cand, how in ((_CAND, ""), (1, " rows read each pass (cand 1)")):
+            def launch(idx=idx, scores=scores, nv=nv, cand=cand):
+                topk_chunk(idx, scores, nv, k, stream=stream, cand=cand)
 
-        cases.append(BenchCase("indexer", f"topk_chunk T={T} N={N} k={k}", launch,
-                               4 * int(nv_host.sum()) + nv.nbytes + idx.nbytes))
+            cases.append(BenchCase("indexer", f"topk_chunk T={T} N={N} k={k}{how}", launch,
+                                   4 * int(nv_host.sum()) + nv.nbytes + idx.nbytes))
     return cases
