@@ -145,9 +145,12 @@ def format_plan(plan: dict, model: str) -> str:
               show_default=True, help="Prompt tokens per prefill chunk (as run).")
 @click.option("--memory-indexer", "retriever_path", type=str, default=None,
               help="FlashMemory retriever checkpoint: add its GPU weights.")
+@click.option("--layers", type=int, default=None,
+              help="With --preset: only its first N layers (as bench --layers; what fits a "
+                   "smaller card).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (exact bytes).")
 def plan_command(model_path, preset_name, ctx, kv_swap, gpu_chunks, prefill_chunk,
-                 retriever_path, as_json):
+                 retriever_path, layers, as_json):
     """GPU and pinned host memory of a CUDA run, by component, without a GPU or loading data.
 
     The numbers come from the lists the engine allocates from (KV caches, step and prefill
@@ -155,6 +158,8 @@ def plan_command(model_path, preset_name, ctx, kv_swap, gpu_chunks, prefill_chun
     """
     if (model_path is None) == (preset_name is None):
         raise InputError("plan: give --model FILE or --preset NAME (one of them)")
+    if layers is not None and preset_name is None:
+        raise InputError(f"--layers {layers}: only with --preset (a file's layers are its own)")
     if gpu_chunks is not None and not kv_swap:
         raise InputError(f"--gpu-chunks {gpu_chunks}: staging slots need --kv-swap")
     weights = None
@@ -164,9 +169,12 @@ def plan_command(model_path, preset_name, ctx, kv_swap, gpu_chunks, prefill_chun
         f = load_gguf(model_path)  # the tensor table only: data stays memory-mapped
         cfg, weights, name = f.config, f.weights, model_path
     else:
-        from .presets import preset
+        from .presets import first_layers, preset
 
         cfg, name = preset(preset_name), preset_name
+        if layers is not None:
+            cfg = first_layers(cfg, layers)
+            name = f"{preset_name} (first {layers} layers)"
     if ctx > cfg.ctx_train:
         raise InputError(f"--ctx {ctx}: exceeds the model's context_length {cfg.ctx_train}")
     key_layers = ()

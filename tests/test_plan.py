@@ -252,3 +252,22 @@ def test_bad_input(tmp_path):
     assert_one_line_error(code, err, "--ctx 5000")
     code, _, err = cli("plan", "--preset", "tiny")
     assert_one_line_error(code, err, "--ctx")
+    code, _, err = cli("plan", "--model", str(tmp_path / "x.gguf"), "--ctx", "64",
+                       "--layers", "2")
+    assert_one_line_error(code, err, "--layers 2", "--preset")
+    code, _, err = cli("plan", "--preset", "tiny", "--ctx", "64", "--layers", "6")
+    assert_one_line_error(code, err, "--layers 6", "1 to 5")
+
+
+def test_first_layers_of_flash_fit_an_80gb_card():
+    """bench --layers 30's geometry: its planned GPU bytes at 256K fit an H100's 79.6 GiB,
+    the full model's do not; the weights scale with the layers kept."""
+    full = json.loads(cli("plan", "--preset", "flash", "--ctx", "262144", "--json")[1])
+    code, out, err = cli("plan", "--preset", "flash", "--ctx", "262144", "--layers", "30",
+                         "--json")
+    assert code == 0, err
+    cut = json.loads(out)
+    assert cut["model"] == "flash (first 30 layers)"
+    assert full["gpu_total_bytes"] > 79.6 * 2**30 > cut["gpu_total_bytes"]
+    w_full, w_cut = (p["components"]["weights"]["gpu_bytes"] for p in (full, cut))
+    assert 0.6 < w_cut / w_full < 30 / 43 + 0.02
