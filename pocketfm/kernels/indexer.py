@@ -679,6 +679,14 @@ _EQ_LEN = 3 * _EQ_WORDS  # (a literal for cuda.shared.array)
 _ROW_ILP = 8
 
 
+@_inline
+def _load_ilp(got, row, j0, nt, n):
+    """got[e] <- row[j0 + e·nt] for e < _ROW_ILP, clamped to the row's last entry (the
+    caller masks those): every load is issued before the first use."""
+    for e in range(_ROW_ILP):
+        got[e] = row[min(j0 + e * nt, n - 1)]
+
+
 _CAND = 4096  # candidates a block keeps in shared memory (the threshold's top-digit bin)
 _CHUNK_TOPK: dict = {}
 
@@ -739,8 +747,7 @@ def _topk_chunk_kernel(cand: int):
                         cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
             else:
                 for j0 in range(tid, n, nt * _ROW_ILP):
-                    for e in range(_ROW_ILP):  # (clamped: every load out before the first use)
-                        got[e] = row[min(j0 + e * nt, n - 1)]
+                    _load_ilp(got, row, j0, nt, n)
                     for e in range(_ROW_ILP):
                         u = _order_key(got[e])
                         if j0 + e * nt < n and (u & pmask) == prefix:
@@ -755,8 +762,7 @@ def _topk_chunk_kernel(cand: int):
                 break
             if p == 0 and int(found[2]) <= cand:  # the row once more: picks and candidates
                 for j0 in range(tid, n, nt * _ROW_ILP):
-                    for e in range(_ROW_ILP):
-                        got[e] = row[min(j0 + e * nt, n - 1)]
+                    _load_ilp(got, row, j0, nt, n)
                     for e in range(_ROW_ILP):
                         key = _order_key(got[e])
                         if j0 + e * nt < n:
@@ -785,8 +791,7 @@ def _topk_chunk_kernel(cand: int):
             return
         if done:  # the entries matching ``prefix`` are exactly the ones still needed: no ranks
             for j0 in range(tid, n, nt * _ROW_ILP):
-                for e in range(_ROW_ILP):
-                    got[e] = row[min(j0 + e * nt, n - 1)]
+                _load_ilp(got, row, j0, nt, n)
                 for e in range(_ROW_ILP):
                     if j0 + e * nt < n and (_order_key(got[e]) & pmask) >= prefix:
                         out[cuda.atomic.add(found, 3, 1)] = j0 + e * nt
