@@ -38,3 +38,18 @@ def test_compare_rows_matches_cases_by_family_and_name():
     out = _tool().compare_rows(base, rows)
     assert out[2:] == ["| hc | a | 10.0 | 5.0 | 0.500 |", "| qat | a | 4.0 | 6.0 | 1.500 |",
                        "| hc | new | - | 1.0 | - |", "| hc | gone | 5.0 | - | - |"]
+
+
+def test_an_unknown_family_is_refused_in_one_line():
+    res = subprocess.run([sys.executable, TOOL, "--family", "hcc"], capture_output=True,
+                         text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr
+    assert lines[0].startswith("bench-kernels: --family hcc: expected one of kvpack, ")
+
+
+def test_case_filter_matches_any_text_case_insensitively():
+    wanted = _tool().case_wanted
+    assert wanted("topk_chunk T=512 N=65536 k=512", None)
+    assert wanted("topk_chunk T=512 N=65536 k=512", ["TOPK_CHUNK", "attention"])
+    assert not wanted("indexer_scores tensor cores N=65536 HI=64", ["topk_chunk"])
