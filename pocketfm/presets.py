@@ -81,12 +81,12 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]()
 
 
-def first_layers(cfg: ModelConfig, n: int, flag: str = "--layers") -> ModelConfig:
+def first_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     """The geometry cut to its first ``n`` blocks: each kept layer is the full model's (same type,
     same shapes), so a per-layer time measured on it is the full model's. For a bench of the
     ``flash`` geometry on a card smaller than its 87 GB of weights."""
     if not 1 <= n <= cfg.n_layers:
-        raise InputError(f"{flag} {n}: expected 1 to {cfg.n_layers} (the model's layers)")
+        raise InputError(f"--layers {n}: expected 1 to {cfg.n_layers} (the model's layers)")
     cut = dataclasses.replace(
         cfg, n_layers=n, compress_ratios=cfg.compress_ratios[:n],
         swiglu_clamp=cfg.swiglu_clamp[:n], swiglu_clamp_shared=cfg.swiglu_clamp_shared[:n],
