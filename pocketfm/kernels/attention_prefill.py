@@ -351,9 +351,6 @@ KT_MAX = 64  # the prefill's tiles: up to 4 k-steps of P·V per pass of the soft
 KEY_TILE_PRE, KEY_TILE = 32, 16
 ROW_TILE = KT_MAX  # decoded compressed rows are zeroed up to a multiple of this (whole tiles)
 MAX_MT = 2  # m-tiles (16 heads each) per block: 4 warps each
-# the prefill's m-tiles a block where H > 16 (``attention_prefill(m_tiles=)`` overrides): two
-# share each copied key tile; one (128 threads) lets two blocks share an SM at 255 registers
-PREFILL_MT = MAX_MT
 MXCH = 32 * 4 * MAX_MT * 6 if device.SIMULATOR else 1  # simulator MMA exchange (mma.py)
 MSHF = 32 * 4 * MAX_MT if device.SIMULATOR else 1  # simulator lane exchange
 _MMAS: dict = {}
@@ -896,7 +893,7 @@ def _store_chunk_rows(win, chunk, pos0):
 def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_comp_visible,
                       all_visible: int, pos0, sinks, scale: float, stream=0, threads=None,
                       naive: bool = False, mma=None, keys=None, key_tile=None,
-                      q_norm_rope=None, m_tiles=None) -> None:
+                      q_norm_rope=None) -> None:
     """out[T, H, K] f32 <- chunked-prefill sink attention of q[T, H, K] (see the module doc):
     window_packed[W, bytes] the ring before the chunk, chunk_packed[T, bytes] the chunk's own
     entries, comp_packed[Ncap, bytes]; sel[T, S] int32 (CSA; -1 = none; S = 1 of -1 for
@@ -917,9 +914,7 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     (token, head) row gets the weightless RMSNorm and the RoPE at pos (norm_rope.rmsnorm_rope),
     and out the inverse RoPE: the tensor-core kernel does both as it loads q and stores out,
     which saves the prefill two passes over q and one over out a layer; the other forms run
-    those launches around the kernel, q normalised in place.
-    ``m_tiles``: 16-head m-tiles a block of the tensor-core kernel (1 or 2; by default 1 for
-    H <= 16, else PREFILL_MT)."""
+    those launches around the kernel, q normalised in place."""
     T, H, K = q.shape
     if T == 0:
         return
@@ -944,7 +939,7 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
         _attention_prefill_naive[min(cdiv(T * H, nt), 4096), nt, stream](out, q, *args, *rest, R)
         return
     if on_mma:
-        mt = m_tiles or (1 if H <= 16 else PREFILL_MT)
+        mt = 1 if H <= 16 else MAX_MT
         pre = keys is not None
         kt = key_tile or (KEY_TILE_PRE if pre else KEY_TILE)
         fold = q_norm_rope is not None
@@ -1076,21 +1071,15 @@ def bench_cases(stream) -> list[BenchCase]:
         kd = cuda.device_array((key_rows(ncap, W, T), K // 2), np.uint32, stream=stream)
         fold = (1e-6, cuda.to_device((p0 + np.arange(T)).astype(np.int32), stream=stream),
                 cuda.to_device(rope_frequencies(R, 160000.0, 16.0, 65536), stream=stream))
-        # (and the engine's form with one m-tile a block, 16- and 32-key tiles)
-        runs = [(False, None, None, None, None), (True, None, None, None, None),
-                (True, kd, None, None, None), (True, kd, fold, None, None),
-                (True, kd, fold, 1, None), (True, kd, fold, 1, 16)]
-        for mma, kd, qf, mt, kt in runs:
-            def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd, qf=qf, mt=mt, kt=kt):
+        runs = [(False, None, None), (True, None, None), (True, kd, None), (True, kd, fold)]
+        for mma, kd, qf in runs:
+            def launch(d=dev, out=out, hca=hca, mma=mma, kd=kd, qf=qf):
                 attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"],
                                   d["nc"], int(hca), d["p0"], d["sinks"], 1 / math.sqrt(K),
-                                  stream=stream, mma=mma, keys=kd, q_norm_rope=qf,
-                                  m_tiles=mt, key_tile=kt)
+                                  stream=stream, mma=mma, keys=kd, q_norm_rope=qf)
             how = ("tensor cores, rows decoded once" if kd is not None else
                    "tensor cores" if mma else "tiles")
             how += ", q norm + RoPE folded" if qf is not None else ""
-            how += f", {mt} m-tile a block" if mt else ""
-            how += f", {kt}-key tiles" if kt else ""
             cases.append(BenchCase(
                 "attention_prefill",
                 f"attention_prefill {how} {mode} T={T} H={H} "

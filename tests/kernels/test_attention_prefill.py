@@ -52,8 +52,7 @@ def nan_keys(ncap, w, t, k):
     return cuda.to_device(np.full((ap.key_rows(ncap, w, t), k // 2), 0x7FC07FC0, np.uint32))
 
 
-def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False, q_norm_rope=None,
-        m_tiles=None):
+def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False, q_norm_rope=None):
     """(kernel output, float64 reference) for inputs ``x`` and the selection / counts
     (``keys``: the compressed rows and the window decoded once into a workspace first;
     ``q_norm_rope``: (eps, pos, freqs) NumPy arrays, q normalised and rotated inside)."""
@@ -70,7 +69,7 @@ def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False, q_norm_
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
                          d["pos0"], d["sinks"], scale, threads=threads, naive=naive, mma=mma,
                          keys=nan_keys(NCAP, len(x["win"]), T, K) if keys else None,
-                         q_norm_rope=fold, m_tiles=m_tiles)
+                         q_norm_rope=fold)
     return out.copy_to_host(), ref
 
 
@@ -299,27 +298,6 @@ def test_attention_prefill_mma_two_m_tiles():
     rng = fresh_rng()
     x = inputs(rng, 9, 2, 4, 20)
     out, ref = run(x, csa_sel(rng, 2, 12), np.zeros(2, np.int32), 0, False, mma=True)
-    assert rel_err(out, ref) <= 1e-4
-
-
-@pytest.mark.parametrize("hca", [0, 1])
-def test_attention_prefill_one_m_tile_a_block(hca):
-    """H = 20 with one m-tile a block (m_tiles=1: two head groups, the second cut short),
-    the engine's form: keys decoded once, q's norm and RoPE folded in."""
-    from pocketfm.numerics import rope_frequencies
-
-    rng = fresh_rng()
-    pos0, T, W = 9, 3, 4
-    x = inputs(rng, pos0, T, W, 20)
-    fold = (np.float32(1e-6), (pos0 + np.arange(T)).astype(np.int32),
-            rope_frequencies(R, 160000.0, 16.0, 65536))
-    if hca:
-        sel = np.full((T, 1), -1, np.int32)
-        nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
-    else:
-        sel, nvis = csa_sel(rng, T, 24), np.full(T, 123456, np.int32)
-    out, ref = run(x, sel, nvis, hca, False, mma=True, keys=True, q_norm_rope=fold,
-                   m_tiles=1)
     assert rel_err(out, ref) <= 1e-4
 
 
