@@ -113,3 +113,16 @@ def test_bench_first_layers_in_the_simulator():
     r = json.loads(out.strip().splitlines()[-1])
     assert r["layers"] == 2 and r["decode_tok_s"] > 0
     assert r["bytes_per_token"]["kv_and_index"] == 200 * (2 * 16 + 8) + 10 * 36
+
+
+def test_profiled_launchers_exist():
+    """`bench --profile` wraps these module attributes by name: a launcher renamed or no longer
+    imported must fail here, not on the GPU (the prefill's list named "rope" after the fold
+    into the attention had removed that import)."""
+    from pocketfm.engine import bench as b, decode, prefill
+    from pocketfm.kernels import hmma
+
+    for module, names in ((decode, b.PROFILED), (prefill, b.PREFILL_PROFILED),
+                          (hmma, b.HMMA_PROFILED)):
+        missing = [n for n in names if not callable(getattr(module, n, None))]
+        assert not missing, (module.__name__, missing)

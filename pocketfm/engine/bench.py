@@ -184,10 +184,16 @@ def time_prefill(eng: DecodeEngine, start: int, n: int, chunk: int, seed: int = 
                 prefill_workspace_bytes=pf.nbytes)
 
 
-PREFILL_PROFILED = ("hc_pre", "hc_post", "rmsnorm", "rope", "attention_prefill",
+# the launchers a prefill chunk calls, by module (prefill's imports; hmma.py's GEMM and x
+# preparations, which prefill calls through the module)
+PREFILL_PROFILED = ("hc_pre", "hc_post", "rmsnorm", "rmsnorm_rope", "attention_prefill",
                     "store_chunk_rows", "kv_pack", "hadamard_fp4", "compressor_chunk",
-                    "indexer_scores_chunk", "topk_chunk", "route_chunk", "swiglu_fused",
-                    "combine_chunk", "broadcast_rows", "embed", "gemv")
+                    "decode_keys", "indexer_scores_chunk", "topk_chunk", "route_chunk",
+                    "expert_order", "swiglu_fused", "combine_chunk", "broadcast_rows", "embed",
+                    "gemv", "gemm_mma")
+HMMA_PROFILED = ("gemm_hmma_prepared", "prepare_x", "prepare_x_swiglu",
+                 "prepare_x_group_major", "prepare_x_token_major")
+_GEMMS = ("gemv", "gemm_mma", "gemm_hmma_prepared")  # (out, weight, ...): timed per weight
 
 
 def profile_chunk(pf, p0: int, T: int) -> dict:
@@ -196,24 +202,28 @@ def profile_chunk(pf, p0: int, T: int) -> dict:
     each, so the ~20 µs of a launch and sync hardly count (unlike a decode step's)."""
     from collections import Counter
 
+    from ..kernels import hmma
     from . import prefill
 
     names = _weight_names(pf.eng)
-    ms, saved = Counter(), {n: getattr(prefill, n) for n in PREFILL_PROFILED}
+    ms = Counter()
+    saved = {(m, n): getattr(m, n) for m, ns in ((prefill, PREFILL_PROFILED),
+                                                   (hmma, HMMA_PROFILED)) for n in ns}
     s = pf.eng.stream
 
     def timed(n, fn):
         def call(*a, **k):
             s.synchronize()
             t0 = time.perf_counter()
-            fn(*a, **k)
+            r = fn(*a, **k)
             s.synchronize()
-            label = f"gemv {names.get(id(a[1]), '?')}" if n == "gemv" else n
+            label = f"gemm {names.get(id(a[1]), '?')}" if n in _GEMMS else n
             ms[label] += (time.perf_counter() - t0) * 1e3
+            return r
         return call
     try:
-        for n, fn in saved.items():
-            setattr(prefill, n, timed(n, fn))
+        for (m, n), fn in saved.items():
+            setattr(m, n, timed(n, fn))
         s.synchronize()
         t0 = time.perf_counter()
         with pf.one_stream():
@@ -221,8 +231,8 @@ def profile_chunk(pf, p0: int, T: int) -> dict:
         s.synchronize()
         total = (time.perf_counter() - t0) * 1e3
     finally:
-        for n, fn in saved.items():
-            setattr(prefill, n, fn)
+        for (m, n), fn in saved.items():
+            setattr(m, n, fn)
     return dict(chunk_ms=total, by_launcher=dict(ms.most_common()))
 
 
