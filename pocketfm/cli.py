@@ -323,6 +323,10 @@ def inspect(path, all_keys):
 @click.option("--ncu-chunk", is_flag=True,
               help="With --prefill: then run its last chunk again, on one stream, between "
                    "cudaProfilerStart and Stop (a per-kernel profile of one chunk under ncu).")
+@click.option("--prefill-ab", is_flag=True,
+              help="With --prefill: then time its last chunk again under variants that each "
+                   "undo one landed change (one stream, each side-stream branch off, q's norm "
+                   "and RoPE as launches), in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
@@ -349,8 +353,9 @@ def inspect(path, all_keys):
                    "geometry on a card under its 87 GB of weights (--layers 30: ~61 GB). "
                    "tok/s then counts N layers' work, not the model's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, prefill,
-          prefill_chunk, kv_swap, gpu_chunks, interval, churn, commit_lag, layers, as_json):
+def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, prefill_ab,
+          prefill, prefill_chunk, kv_swap, gpu_chunks, interval, churn, commit_lag, layers,
+          as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -369,8 +374,9 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
     if ctx + prefill + tokens + 3 + int(ncu_step) > cfg.ctx_train:
         raise InputError(f"--ctx {ctx}: with --prefill {prefill} and --tokens {tokens} exceeds "
                          f"the {preset_name} context_length {cfg.ctx_train}")
-    if ncu_chunk and not prefill:
-        raise InputError("--ncu-chunk: needs --prefill N (the chunk it profiles)")
+    for flag, on in (("--ncu-chunk", ncu_chunk), ("--prefill-ab", prefill_ab)):
+        if on and not prefill:
+            raise InputError(f"{flag}: needs --prefill N (the chunk it times again)")
     resolve_device("cuda")
     from .engine.bench import run_bench
 
@@ -397,7 +403,8 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
         raise InputError(f"--{'gpu-chunks' if gpu_chunks is not None else 'commit-lag'}: only "
                          "meaningful with --kv-swap")
     r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk,
-                  slots, interval, churn, commit_lag, ncu=ncu_step, ncu_prefill=ncu_chunk)
+                  slots, interval, churn, commit_lag, ncu=ncu_step, ncu_prefill=ncu_chunk,
+                  prefill_ab=prefill_ab)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, layers=cfg.n_layers, **r)))
         return
@@ -406,6 +413,10 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
     if prefill:
         click.echo(f"{name}: prefill {prefill:,} tokens after ctx {ctx:,} in chunks of "
                    f"{prefill_chunk}: {r['prefill_tok_s']:.1f} tok/s ({r['prefill_s']:.2f} s)")
+    if "prefill_ab" in r:
+        click.echo("the last prefill chunk again, per variant (GPU s, best / median of 2):")
+        for variant, t in r["prefill_ab"].items():
+            click.echo(f"  {variant:<36} {t['best_s']:.4f} / {t['median_s']:.4f}")
     click.echo(f"{name} at ctx {r['ctx']:,}: decode {r['decode_tok_s']:.1f} tok/s "
                f"({r['step_ms']:.2f} ms/step), {r['bytes_per_token']['total'] / 1e9:.2f} GB "
                f"read/token, {r['achieved_gbs']:.0f} GB/s")

@@ -2,6 +2,7 @@
 in BENCHMARKS.md; here the command's plumbing: weights made on the device, cache fill, JSON)."""
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from pocketfm.cli import main
@@ -62,11 +63,30 @@ def test_bench_kv_swap_in_the_simulator():
     assert st["misses"] == r["swap_in_rows"] + 4 and st["late_misses"] == 0
 
 
-def test_bench_ncu_chunk_needs_a_prefill():
-    code, _, err = bench("--preset", "tiny", "--ctx", "42", "--ncu-chunk")
+@pytest.mark.parametrize("flag", ["--ncu-chunk", "--prefill-ab"])
+def test_bench_chunk_flags_need_a_prefill(flag):
+    code, _, err = bench("--preset", "tiny", "--ctx", "42", flag)
     lines = err.strip().splitlines()
-    assert code == 2 and lines == ["error: --ncu-chunk: needs --prefill N (the chunk it "
-                                   "profiles)"], err
+    assert code == 2 and lines == [f"error: {flag}: needs --prefill N (the chunk it times "
+                                   "again)"], err
+
+
+def test_prefill_variants_time_the_chunk_and_restore_the_settings(micro_path):
+    """`bench --prefill-ab`'s timing in the simulator (one variant, one round: a simulated
+    chunk costs seconds): every variant names settings the prefill has, each variant's time
+    comes back, and the prefill's settings are as they were after it."""
+    from pocketfm.engine.bench import _prefill_variants, time_prefill_variants
+    from pocketfm.engine.prefill import BRANCH_SITES
+    from pocketfm.generate import load
+
+    eng = load(micro_path, device="cuda").engine(8)
+    eng.start([1, 72, 305, 17])
+    pf = eng.prefill(2)
+    variants = _prefill_variants()
+    assert {k for v in variants.values() for k in v} <= set(vars(pf))
+    r = time_prefill_variants(pf, 0, 2, rounds=1, names=["q norm + RoPE as launches"])
+    assert list(r) == ["q norm + RoPE as launches"] and r[list(r)[0]]["best_s"] > 0
+    assert pf.fold_q_norm_rope and pf.branches and pf.branch_sites == set(BRANCH_SITES)
 
 
 def test_bench_profiling_is_refused_with_kv_swap():

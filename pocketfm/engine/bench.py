@@ -184,6 +184,51 @@ def time_prefill(eng: DecodeEngine, start: int, n: int, chunk: int, seed: int = 
                 prefill_workspace_bytes=pf.nbytes)
 
 
+def _prefill_variants() -> dict:
+    """What ``bench --prefill-ab`` times against the prefill as landed: ChunkPrefill settings
+    that undo one change each (the side streams, each branch site, the q norm / RoPE fold)."""
+    from .prefill import BRANCH_SITES
+
+    every = frozenset(BRANCH_SITES)
+    return {"as landed": {}, "one stream": dict(branches=False),
+            **{f"without the {s} branch": dict(branch_sites=every - {s}) for s in BRANCH_SITES},
+            "q norm + RoPE as launches": dict(fold_q_norm_rope=False)}
+
+
+def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> dict:
+    """The prefill chunk at positions p0 .. p0+T-1 again under each variant of
+    _prefill_variants (``names``: a subset), the variants in turn ``rounds`` times: one
+    process on one machine, where a separate bench per build differs by ~1% between machines
+    and pays the engine's build each time. Each variant runs once untimed first (on a GPU: it
+    compiles what only it launches). -> {variant: {"best_s", "median_s"}}, GPU seconds a
+    chunk (the host waits for each)."""
+    variants = _prefill_variants()
+    names = list(variants) if names is None else list(names)
+    saved = {k: getattr(pf, k) for n in names for k in variants[n]}
+    s = pf.eng.stream
+
+    def run(name):
+        for k, v in {**saved, **variants[name]}.items():
+            setattr(pf, k, v)
+        s.synchronize()
+        t0 = time.perf_counter()
+        pf.chunk(p0, T)
+        s.synchronize()
+        return time.perf_counter() - t0
+
+    times = {n: [] for n in names}
+    try:
+        for n in names if not device.SIMULATOR else ():
+            run(n)
+        for _ in range(rounds):
+            for n in names:
+                times[n].append(run(n))
+    finally:
+        for k, v in saved.items():
+            setattr(pf, k, v)
+    return {n: dict(best_s=min(v), median_s=float(np.median(v))) for n, v in times.items()}
+
+
 # the launchers a prefill chunk calls, by module (prefill's imports; hmma.py's GEMM and x
 # preparations, which prefill calls through the module)
 PREFILL_PROFILED = ("hc_pre", "hc_post", "rmsnorm", "rmsnorm_rope", "attention_prefill",
@@ -370,13 +415,14 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
               progress=None, profile: bool = False, prefill: int = 0,
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
               churn: float = 0.1, lag: int | None = None, ncu: bool = False,
-              ncu_prefill: bool = False) -> dict:
+              ncu_prefill: bool = False, prefill_ab: bool = False) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
     replays after its boundary (None: as ``run --kv-swap``). ``ncu``: then one more step for
     Nsight Compute (``ncu_step``; not with kv_swap); ``ncu_prefill``: the last prefill chunk
-    again for it (``ncu_chunk``)."""
+    again for it (``ncu_chunk``); ``prefill_ab``: the last prefill chunk again under each of
+    time_prefill_variants' variants (``prefill_ab`` in the result)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
@@ -397,6 +443,10 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     build_s = time.perf_counter() - t0
     fill_caches(eng, ctx, seed)
     pre = time_prefill(eng, ctx, prefill, prefill_chunk, seed) if prefill else {}
+    if prefill and prefill_ab:
+        T = min(prefill_chunk, prefill)
+        pre["prefill_ab"] = time_prefill_variants(eng.prefill(prefill_chunk),
+                                                  ctx + prefill - T, T)
     ctx += prefill
     if kv_swap:
         r = bench_kv_swap(eng, ctx, tokens, interval, churn, seed, lag)

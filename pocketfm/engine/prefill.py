@@ -55,6 +55,12 @@ from .layout import (compressor_widths, hc_mix_shape, prefill_buffer_specs,
                      prefill_shared_buffers)
 
 
+# the GEMMs that run beside the main chain on a side stream (``ChunkPrefill.branch_sites``):
+# kv, the compressors' and the indexer's input GEMMs beside q_a; q_b beside the indexer's
+# chain (CSA layers); the shared expert's gate|up beside the routing and the routed gate|up
+BRANCH_SITES = ("attention inputs", "q_b", "shared expert")
+
+
 class ChunkPrefill:
     """Prefill for one ``DecodeEngine`` (its weights and caches), chunks of up to ``chunk``."""
 
@@ -65,6 +71,8 @@ class ChunkPrefill:
         # main stream's prepared limbs and allocate nothing per stream
         self.side_a, self.side_b = device.SideStream(), device.SideStream()
         self.branches = True  # False: everything on the main stream (launch-by-launch timing)
+        self.branch_sites = frozenset(BRANCH_SITES)  # which of them branch (an A/B: a subset)
+        self.fold_q_norm_rope = True  # False: q's norm and RoPE as launches (an A/B)
         self._alloc()
         self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
         self._mix_views = {}  # T -> hc_pre's mix workspace for T tokens (a view of hc_mix)
@@ -181,10 +189,11 @@ class ChunkPrefill:
         else:
             gemv(out, w, x, None, self.eng.stream, threads=self.eng.nt)
 
-    def _beside(self, side, limbs):
-        """The stream for GEMMs of ``limbs`` beside the main chain: ``side`` forked from the
-        main stream now (after the limbs' preparation), or the main stream without limbs."""
-        if limbs is None or not self.branches:
+    def _beside(self, side, limbs, site: str):
+        """The stream for GEMMs of ``limbs`` beside the main chain at ``site`` (BRANCH_SITES):
+        ``side`` forked from the main stream now (after the limbs' preparation), or the main
+        stream without limbs or with that site off."""
+        if limbs is None or not self.branches or site not in self.branch_sites:
             return self.eng.stream
         return side.fork(self.eng.stream)
 
@@ -199,7 +208,8 @@ class ChunkPrefill:
         # preparation, q_b's, overwrites them): q_a and its norm on the main stream, kv and
         # the compressors' on side_a, the indexer's on side_b, joined before q_b
         xu = self._limbs(u, T)
-        sa, sb = self._beside(self.side_a, xu), self._beside(self.side_b, xu)
+        sa = self._beside(self.side_a, xu, "attention inputs")
+        sb = self._beside(self.side_b, xu, "attention inputs")
         self._gemm(kv, L.kv, u, xu, sa)
         if c.ratio:
             a, g = (x[:T] for x in self.comp_in[c.state_kv.shape[1]])
@@ -219,7 +229,7 @@ class ChunkPrefill:
         # indexer's chain (its top-k passes leave the tensor cores idle), joined before the
         # attention (nothing on the main stream prepares an x until then)
         xc = self._limbs(cq, T)
-        sq = self._beside(self.side_a, xc) if cfg.is_csa(i) else s
+        sq = self._beside(self.side_a, xc, "q_b") if cfg.is_csa(i) else s
         self._gemm(q.reshape(T, H * K), L.q_b, cq, xc, sq)
         # (q's per-head weightless RMSNorm and RoPE, and the output's inverse RoPE: inside
         # the attention, ``q_norm_rope``)
@@ -236,7 +246,7 @@ class ChunkPrefill:
         args = (o, q, c.window, rows)
         scale = 1.0 / math.sqrt(K)
         opts = dict(stream=s, threads=nt, keys=self.attn_keys,
-                    q_norm_rope=(eps, self.pos, L.freqs))
+                    q_norm_rope=(eps, self.pos, L.freqs), fold_q_norm_rope=self.fold_q_norm_rope)
         if cfg.is_csa(i):
             sel = self._indexer(i, T, L, c, xc)
             if xc is not None:
@@ -335,7 +345,8 @@ class ChunkPrefill:
                 L.shared_gate_up is not None:  # the shared gate|up first, while xv holds v,
             # beside the router, the routing, expert_order and the routed gate|up (sgu: o's
             # buffer, which this path leaves alone: it writes no x_rep or h)
-            self._gemm(sgu, L.shared_gate_up, v, xv, self._beside(self.side_a, xv))
+            self._gemm(sgu, L.shared_gate_up, v, xv,
+                       self._beside(self.side_a, xv, "shared expert"))
         self._gemm(self.router[:T], L.router, v, xv)
         route_chunk(ids, w, self.router[:T], L.bias, L.tid2eid, tokens,
                     int(cfg.is_hash_layer(i)), cfg.routed_scale, int(cfg.norm_topk), s,

@@ -893,7 +893,7 @@ def _store_chunk_rows(win, chunk, pos0):
 def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_comp_visible,
                       all_visible: int, pos0, sinks, scale: float, stream=0, threads=None,
                       naive: bool = False, mma=None, keys=None, key_tile=None,
-                      q_norm_rope=None) -> None:
+                      q_norm_rope=None, fold_q_norm_rope: bool = True) -> None:
     """out[T, H, K] f32 <- chunked-prefill sink attention of q[T, H, K] (see the module doc):
     window_packed[W, bytes] the ring before the chunk, chunk_packed[T, bytes] the chunk's own
     entries, comp_packed[Ncap, bytes]; sel[T, S] int32 (CSA; -1 = none; S = 1 of -1 for
@@ -914,13 +914,14 @@ def attention_prefill(out, q, window_packed, chunk_packed, comp_packed, sel, n_c
     (token, head) row gets the weightless RMSNorm and the RoPE at pos (norm_rope.rmsnorm_rope),
     and out the inverse RoPE: the tensor-core kernel does both as it loads q and stores out,
     which saves the prefill two passes over q and one over out a layer; the other forms run
-    those launches around the kernel, q normalised in place."""
+    those launches around the kernel, q normalised in place; so does the tensor-core kernel
+    with ``fold_q_norm_rope`` False (the launches the fold replaced, for an A/B)."""
     T, H, K = q.shape
     if T == 0:
         return
     R = rope_dim_of(K, window_packed.shape[1])
     on_mma = (not device.SIMULATOR) if mma is None else mma
-    if q_norm_rope is not None and (naive or not on_mma):
+    if q_norm_rope is not None and (naive or not on_mma or not fold_q_norm_rope):
         eps, pos, freqs = q_norm_rope
         serial = device.SIMULATOR  # (the serial forms, as the simulator's engine runs them)
         rmsnorm_rope(q, q, sinks, eps, False, pos, freqs, stream, naive=serial)

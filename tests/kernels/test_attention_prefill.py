@@ -52,7 +52,8 @@ def nan_keys(ncap, w, t, k):
     return cuda.to_device(np.full((ap.key_rows(ncap, w, t), k // 2), 0x7FC07FC0, np.uint32))
 
 
-def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False, q_norm_rope=None):
+def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False, q_norm_rope=None,
+        **opts):
     """(kernel output, float64 reference) for inputs ``x`` and the selection / counts
     (``keys``: the compressed rows and the window decoded once into a workspace first;
     ``q_norm_rope``: (eps, pos, freqs) NumPy arrays, q normalised and rotated inside)."""
@@ -69,7 +70,7 @@ def run(x, sel, nvis, hca, naive, threads=THREADS, mma=None, keys=False, q_norm_
     ap.attention_prefill(out, d["q"], d["win"], d["chunk"], d["comp"], d["sel"], d["nvis"], hca,
                          d["pos0"], d["sinks"], scale, threads=threads, naive=naive, mma=mma,
                          keys=nan_keys(NCAP, len(x["win"]), T, K) if keys else None,
-                         q_norm_rope=fold)
+                         q_norm_rope=fold, **opts)
     return out.copy_to_host(), ref
 
 
@@ -194,12 +195,14 @@ def test_attention_prefill_window_only_decoded_keys():
 
 @pytest.mark.parametrize("kernel,hca,far", [("naive", 0, False), ("tiles", 1, True),
                                             ("mma", 0, True), ("mma", 1, False),
-                                            ("mma keys", 0, False), ("mma keys", 1, True)])
+                                            ("mma keys", 0, False), ("mma keys", 1, True),
+                                            ("mma keys unfolded", 1, True)])
 def test_attention_prefill_q_norm_rope(kernel, hca, far):
     """q as the q_b GEMM leaves it (rows far from unit RMS, a per-head offset): its per-head
     RMSNorm and RoPE and the output's inverse RoPE inside the tensor-core kernel (around the
-    other forms), against the reference's three steps; ``far``: positions near 1M, where a
-    float32 angle would be off. H = 5: a padded m-tile's rows (heads 5..15) must stay zero."""
+    other forms, and around it with fold_q_norm_rope False), against the reference's three
+    steps; ``far``: positions near 1M, where a float32 angle would be off. H = 5: a padded
+    m-tile's rows (heads 5..15) must stay zero."""
     from pocketfm.numerics import rope_frequencies
 
     rng = fresh_rng()
@@ -213,7 +216,8 @@ def test_attention_prefill_q_norm_rope(kernel, hca, far):
         nvis = np.minimum((pos0 + np.arange(T) + 1) // 2, NCAP).astype(np.int32)
     else:
         sel, nvis = csa_sel(rng, T, 24), np.full(T, 123456, np.int32)
-    how = dict(KERNELS[kernel.split()[0]], keys=kernel.endswith("keys"))
+    how = dict(KERNELS[kernel.split()[0]], keys="keys" in kernel,
+               fold_q_norm_rope="unfolded" not in kernel)
     out, ref = run(x, sel, nvis, hca, **how, q_norm_rope=fold)
     assert rel_err(out, ref) <= 1e-4
     plain = np.empty_like(ref)  # (the fold matters: without it the output is another one)
