@@ -204,28 +204,22 @@ def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> d
     chunk (the host waits for each)."""
     variants = _prefill_variants()
     names = list(variants) if names is None else list(names)
-    saved = {k: getattr(pf, k) for n in names for k in variants[n]}
     s = pf.eng.stream
 
     def run(name):
-        for k, v in {**saved, **variants[name]}.items():
-            setattr(pf, k, v)
-        s.synchronize()
-        t0 = time.perf_counter()
-        pf.chunk(p0, T)
-        s.synchronize()
+        with pf.settings(**variants[name]):
+            s.synchronize()
+            t0 = time.perf_counter()
+            pf.chunk(p0, T)
+            s.synchronize()
         return time.perf_counter() - t0
 
     times = {n: [] for n in names}
-    try:
-        for n in names if not device.SIMULATOR else ():
-            run(n)
-        for _ in range(rounds):
-            for n in names:
-                times[n].append(run(n))
-    finally:
-        for k, v in saved.items():
-            setattr(pf, k, v)
+    for n in names if not device.SIMULATOR else ():
+        run(n)
+    for _ in range(rounds):
+        for n in names:
+            times[n].append(run(n))
     return {n: dict(best_s=min(v), median_s=float(np.median(v))) for n, v in times.items()}
 
 
@@ -443,10 +437,10 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     build_s = time.perf_counter() - t0
     fill_caches(eng, ctx, seed)
     pre = time_prefill(eng, ctx, prefill, prefill_chunk, seed) if prefill else {}
+    last_T = min(prefill_chunk, prefill)  # the timed prefill's last chunk: its start, length
+    last = (ctx + prefill - last_T, last_T)
     if prefill and prefill_ab:
-        T = min(prefill_chunk, prefill)
-        pre["prefill_ab"] = time_prefill_variants(eng.prefill(prefill_chunk),
-                                                  ctx + prefill - T, T)
+        pre["prefill_ab"] = time_prefill_variants(eng.prefill(prefill_chunk), *last)
     ctx += prefill
     if kv_swap:
         r = bench_kv_swap(eng, ctx, tokens, interval, churn, seed, lag)
@@ -475,13 +469,11 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
         prof = profile_step(eng)
         extra = dict(profile_ms=prof, profile_sum_ms=sum(prof.values()))
         if prefill:
-            T = min(prefill_chunk, prefill)  # the last prefill chunk again, alone
-            extra["prefill_profile"] = profile_chunk(eng.prefill(prefill_chunk), ctx - T, T)
+            extra["prefill_profile"] = profile_chunk(eng.prefill(prefill_chunk), *last)
     if ncu:
         ncu_step(eng)
     if ncu_prefill and prefill:
-        T = min(prefill_chunk, prefill)
-        ncu_chunk(eng.prefill(prefill_chunk), ctx - T, T)
+        ncu_chunk(eng.prefill(prefill_chunk), *last)
     return dict(
         **extra, **pre, preset_layers=cfg.n_layers, ctx=ctx, tokens=tokens, quant=quant,
         decode_tok_s=1e3 / step_ms, step_ms=step_ms,

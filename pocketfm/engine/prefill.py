@@ -102,13 +102,21 @@ class ChunkPrefill:
         hmma.use_workspace(eng.stream, self.f16_x)
 
     @contextmanager
-    def one_stream(self):
-        """Every launch on the main stream while inside (profiling: each launch timed alone)."""
-        branches, self.branches = self.branches, False
+    def settings(self, **values):
+        """These attributes (branches, branch_sites, fold_q_norm_rope) set while inside, as
+        they were after it (an A/B of the chunk; an unknown name raises AttributeError)."""
+        before = {k: getattr(self, k) for k in values}
         try:
+            for k, v in values.items():
+                setattr(self, k, v)
             yield self
         finally:
-            self.branches = branches
+            for k, v in before.items():
+                setattr(self, k, v)
+
+    def one_stream(self):
+        """Every launch on the main stream while inside (profiling: each launch timed alone)."""
+        return self.settings(branches=False)
 
     @property
     def nbytes(self) -> int:
