@@ -688,18 +688,25 @@ def _load_ilp(got, row, j0, nt, n):
 
 
 _CAND = 4096  # candidates a block keeps in shared memory (the threshold's top-digit bin)
+# Ties at the k-th score ranked on the list: at most this many (they are copied to one array
+# and each counts the lower indices among them, ties^2 / blockDim steps a thread); more take
+# one more pass over the row. Ranking them against the whole list instead (ties x list steps)
+# made the 256K prefill's top-k 2.8x slower than the four passes: the synthetic caches repeat
+# every key 256 times, so every row ties 256 ways at the threshold (2026-12-05 (f)).
+_TIE_LIST = 1024  # (<= buf's 1024 entries)
 _CHUNK_TOPK: dict = {}
 
 
-def _topk_chunk_kernel(cand: int):
+def _topk_chunk_kernel(cand: int, tie_list: int = _TIE_LIST):
     """The chunk top-k kernel keeping up to ``cand`` candidates in shared memory (a closure
     constant: the arrays' size). After the first digit pass, a row whose threshold bin holds
     at most ``cand`` entries is read once more: entries above the bin are picks, written at
     once, and the bin's entries (index, key) go to a shared list, on which the other two digit
-    passes and the write-out run. Two passes over the row instead of four; a larger bin takes
-    the row passes below."""
-    if cand in _CHUNK_TOPK:
-        return _CHUNK_TOPK[cand]
+    passes and the write-out run. Two passes over the row instead of four (three when more than
+    ``tie_list`` entries tie at the k-th score); a larger bin takes the row passes below."""
+    assert 1 <= tie_list <= 1024, "topk_chunk: tied entries are ranked in buf (1024 entries)"
+    if (cand, tie_list) in _CHUNK_TOPK:
+        return _CHUNK_TOPK[cand, tie_list]
 
     @device.kernel
     def _topk_chunk_radix_select(out_idx, bits, n_visible):
@@ -718,7 +725,7 @@ def _topk_chunk_kernel(cand: int):
             return
         hist = cuda.shared.array(_HIST, int32)
         buf = cuda.shared.array(1024, int32)
-        found = cuda.shared.array(5, int32)  # digit, above it, in it; slot, candidate counters
+        found = cuda.shared.array(6, int32)  # digit, above it, in it; slot, candidate, tie counters
         eqmask = cuda.shared.array(_EQ_LEN, uint32)
         cidx = cuda.shared.array(cand, int32)  # the candidates: index, order key
         ckey = cuda.shared.array(cand, uint32)
@@ -728,6 +735,7 @@ def _topk_chunk_kernel(cand: int):
         if tid == 0:
             found[3] = 0
             found[4] = 0
+            found[5] = 0
         prefix = 0
         pmask = 0
         need = k  # how many of the entries matching ``prefix`` still belong to the top k
@@ -775,21 +783,29 @@ def _topk_chunk_kernel(cand: int):
                 cuda.syncthreads()
                 listed = True
                 ncand = int(found[4])
-        if listed:  # the write-out from the list: ties ranked by index among the list's
+        if listed:  # the write-out from the list; ties at the k-th score go to buf if few
+            ties = int(found[2])  # (not done: all three digits passed, so exact ties)
+            few = done or ties <= tie_list  # block-uniform
             for i in range(tid, ncand, nt):
                 u = int(ckey[i]) & pmask
                 if u > prefix or u == prefix and done:
                     out[cuda.atomic.add(found, 3, 1)] = cidx[i]
-                elif u == prefix:  # (exact ties at the k-th score: rare, O(ties x list))
-                    j = cidx[i]
+                elif u == prefix and few:
+                    buf[cuda.atomic.add(found, 5, 1)] = cidx[i]
+            if done:
+                return
+            if few:  # each tied entry's rank: the tied entries with lower indices
+                cuda.syncthreads()
+                for i in range(tid, ties, nt):
+                    j = buf[i]
                     rank = 0
-                    for o in range(ncand):
-                        if (int(ckey[o]) & pmask) == prefix and cidx[o] < j:
-                            rank += 1
+                    for o in range(ties):
+                        rank += 1 if buf[o] < j else 0
                     if rank < need:
                         out[k - need + rank] = j
-            return
-        if done:  # the entries matching ``prefix`` are exactly the ones still needed: no ranks
+                return
+            # many ties: ranked by the row scan below (the entries above are written)
+        elif done:  # the entries matching ``prefix`` are exactly the ones still needed: no ranks
             for j0 in range(tid, n, nt * _ROW_ILP):
                 _load_ilp(got, row, j0, nt, n)
                 for e in range(_ROW_ILP):
@@ -800,9 +816,11 @@ def _topk_chunk_kernel(cand: int):
         below = (uint32(1) << lane) - uint32(1)  # this thread's lower lanes in its mask word
         run = 0  # entries equal to the threshold in earlier chunks (block-uniform)
         for c in range((n + nt - 1) // nt):
+            if listed and run >= need:  # (block-uniform) the rest of the row holds no picks
+                break
             j = c * nt + tid
             u = (_order_key(row[j]) & pmask) if j < n else -1
-            if u > prefix:
+            if u > prefix and not listed:
                 out[cuda.atomic.add(found, 3, 1)] = j
             if run < need:  # block-uniform: run comes from syncthreads_count
                 m = _EQ_WORDS * (c % 3)
@@ -821,19 +839,20 @@ def _topk_chunk_kernel(cand: int):
                     eqmask[_EQ_WORDS * ((c + 2) % 3) + i] = 0
                 run += cnt
 
-    _CHUNK_TOPK[cand] = _topk_chunk_radix_select
+    _CHUNK_TOPK[cand, tie_list] = _topk_chunk_radix_select
     return _topk_chunk_radix_select
 
 
 def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None,
-               cand: int = _CAND) -> None:
+               cand: int = _CAND, tie_list: int = _TIE_LIST) -> None:
     """out_idx[T, k] int32 <- for every token t, the indices of the k largest scores[t, j] f32
     among j < n_visible[t] (scores[T, N], n_visible[T] int32): the prefill form of ``topk``.
 
     One launch, one block per token; same tie rule and -1 padding as ``topk``, order within a
     row arbitrary (the prefill sorts the rows). No workspace and no host sync, so it can be
     captured in a graph. ``cand``: the shared candidate list's size (tests: a small one sends
-    rows down the four-pass path).
+    rows down the four-pass path); ``tie_list``: the most ties at the k-th score ranked on the
+    list (tests: a small one sends them to the row scan).
     """
     T = scores.shape[0]
     if out_idx.shape != (T, k):
@@ -841,7 +860,8 @@ def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None,
     if T == 0:
         return
     nt = min(threads or TOPK_THREADS, 1024)
-    _topk_chunk_kernel(cand)[T, nt, stream](out_idx, scores.view(np.uint32), n_visible)
+    _topk_chunk_kernel(cand, tie_list)[T, nt, stream](out_idx, scores.view(np.uint32),
+                                                      n_visible)
 
 
 # ---- CI lane B and the benchmark --------------------------------------------------------------
@@ -937,19 +957,27 @@ def bench_cases(stream) -> list[BenchCase]:
     cases.append(BenchCase("indexer", f"decode_keys N={N} (FP4 -> bf16 rows)", decode,
                            keys.nbytes + ws.nbytes, flops=0))
     T = 512  # a prefill chunk ending the context: token t sees N - (T-1-t) entries
-    for N in (262_144, 65_536):
+    # "256 copies": each row 256 distinct scores, tiled, as the bench's synthetic caches make
+    # them (every key 256 times): 256 ties at the k-th score
+    for N, copies in ((262_144, False), (65_536, False), (65_536, True)):
         nv_host = np.arange(N - T + 1, N + 1, dtype=np.int32)
-        scores = rng.standard_normal((T, N), dtype=np.float32)
+        if copies:
+            scores = np.tile(rng.standard_normal((T, 256), dtype=np.float32), N // 256)
+        else:
+            scores = rng.standard_normal((T, N), dtype=np.float32)
         for t in range(T):
             scores[t, nv_host[t]:] = -np.inf
         scores = cuda.to_device(scores, stream=stream)
         nv = cuda.to_device(nv_host, stream=stream)
         idx = cuda.device_array((T, k), np.int32, stream=stream)
+        variants = [(_CAND, _TIE_LIST, ""), (1, _TIE_LIST, " rows read each pass (cand 1)")]
+        if copies:
+            variants.insert(1, (_CAND, 1, " ties ranked on a row pass (tie_list 1)"))
+        for cand, tie_list, how in variants:
+            def launch(idx=idx, scores=scores, nv=nv, cand=cand, tie_list=tie_list):
+                topk_chunk(idx, scores, nv, k, stream=stream, cand=cand, tie_list=tie_list)
 
-        for cand, how in ((_CAND, ""), (1, " rows read each pass (cand 1)")):
-            def launch(idx=idx, scores=scores, nv=nv, cand=cand):
-                topk_chunk(idx, scores, nv, k, stream=stream, cand=cand)
-
-            cases.append(BenchCase("indexer", f"topk_chunk T={T} N={N} k={k}{how}", launch,
-                                   4 * int(nv_host.sum()) + nv.nbytes + idx.nbytes))
+            what = " 256 copies" if copies else ""
+            cases.append(BenchCase("indexer", f"topk_chunk T={T} N={N}{what} k={k}{how}",
+                                   launch, 4 * int(nv_host.sum()) + nv.nbytes + idx.nbytes))
     return cases

@@ -147,11 +147,12 @@ def test_topk_reuses_its_workspace():
     assert not work.copy_to_host()[:3 * ix._HIST].any()
 
 
-def run_topk_chunk(scores, nv, k, threads=THREADS, cand=ix._CAND):
+def run_topk_chunk(scores, nv, k, threads=THREADS, cand=ix._CAND, tie_list=ix._TIE_LIST):
     T = scores.shape[0]
     out = cuda.to_device(np.full((T, k), -7, np.int32))  # an unwritten slot shows as -7
     ix.topk_chunk(out, cuda.to_device(scores.astype(np.float32)),
-                  cuda.to_device(np.asarray(nv, np.int32)), k, threads=threads, cand=cand)
+                  cuda.to_device(np.asarray(nv, np.int32)), k, threads=threads, cand=cand,
+                  tie_list=tie_list)
     ref = np.empty((T, k), np.int32)
     ix.topk_chunk_ref(ref, scores, np.asarray(nv), k)
     alt = np.empty((T, k), np.int64)  # the model's op: same tie rule, independent code
@@ -217,6 +218,24 @@ def test_topk_chunk_ties_in_a_listed_bin():
     out, ref = run_topk_chunk(scores, np.array([N, N]), k)
     kth = np.sort(scores[0])[::-1][k - 1]
     assert (scores[0] == kth).sum() == 6 and (np.sort(scores[0])[::-1][k] == kth)
+
+
+@pytest.mark.parametrize("cand, tie_list", [(ix._CAND, ix._TIE_LIST), (ix._CAND, 3), (8, 3)])
+def test_topk_chunk_rows_of_repeated_scores(cand, tie_list):
+    """Rows that repeat a few distinct scores (as the bench's synthetic caches: every key many
+    times), so many entries tie at the k-th score: ranked on the list (few ties), by a row
+    pass after the list (tie_list 3: it must not write the listed picks again), or by the
+    four passes (cand 8)."""
+    rng = fresh_rng()
+    T, N, k, R = (3, 500, 32, 25) if SIMULATOR else (3, 65_536, 512, 256)
+    scores = np.tile(rng.normal(size=(T, R)).astype(np.float32), N // R)
+    # row 1 in runs, highest first: every entry above the k-th score comes before the ties
+    scores[1] = np.repeat(np.sort(scores[1, :R])[::-1], N // R)
+    nv = np.array([N, N - R // 2 - 1, k + R + 3])
+    run_topk_chunk(scores, nv, k, cand=cand, tie_list=tie_list)
+    top = np.sort(scores[0])[::-1]
+    ties = (scores[0] == top[k - 1]).sum()
+    assert top[k] == top[k - 1] and 3 < ties <= ix._TIE_LIST  # each path taken as named
 
 
 def test_topk_chunk_minus_inf_threshold():
