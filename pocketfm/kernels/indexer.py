@@ -689,11 +689,14 @@ def _load_ilp(got, row, j0, nt, n):
 
 _CAND = 4096  # candidates a block keeps in shared memory (the threshold's top-digit bin)
 # Ties at the k-th score ranked on the list: at most this many (they are copied to one array
-# and each counts the lower indices among them, ties^2 / blockDim steps a thread); more take
-# one more pass over the row. Ranking them against the whole list instead (ties x list steps)
-# made the 256K prefill's top-k 2.8x slower than the four passes: the synthetic caches repeat
-# every key 256 times, so every row ties 256 ways at the threshold (2026-12-05 (f)).
-_TIE_LIST = 1024  # (<= buf's 1024 entries)
+# and each counts the lower indices among them: a loop as long as the ties); more take one more
+# pass over the row after the list. Ranking them against the whole list instead (ties x list
+# steps) made the 256K prefill's top-k 2.8x slower than the four passes: the synthetic caches
+# repeat every key 256 times, so every row ties 256 ways at the threshold (Nsight, H100,
+# 2026-12-05 (f)). 512 rows of 65,536 with 256 ties (H100): ranked on the list 233.9 us, by
+# the row pass 219.6, tie-free 192.3; the ranking's cost grows with the ties, so the two
+# break even near 170 ties.
+_TIE_LIST = 128  # (<= buf's 1024 entries)
 _CHUNK_TOPK: dict = {}
 
 
@@ -971,8 +974,8 @@ def bench_cases(stream) -> list[BenchCase]:
         nv = cuda.to_device(nv_host, stream=stream)
         idx = cuda.device_array((T, k), np.int32, stream=stream)
         variants = [(_CAND, _TIE_LIST, ""), (1, _TIE_LIST, " rows read each pass (cand 1)")]
-        if copies:
-            variants.insert(1, (_CAND, 1, " ties ranked on a row pass (tie_list 1)"))
+        if copies:  # (the default sends these 256 ties to the row pass)
+            variants.insert(1, (_CAND, 1024, " ties ranked on the list (tie_list 1024)"))
         for cand, tie_list, how in variants:
             def launch(idx=idx, scores=scores, nv=nv, cand=cand, tie_list=tie_list):
                 topk_chunk(idx, scores, nv, k, stream=stream, cand=cand, tie_list=tie_list)
