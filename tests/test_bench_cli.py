@@ -146,3 +146,22 @@ def test_profiled_launchers_exist():
                           (hmma, b.HMMA_PROFILED)):
         missing = [n for n in names if not callable(getattr(module, n, None))]
         assert not missing, (module.__name__, missing)
+
+
+def test_fill_caches_draws_distinct_index_keys(micro_path):
+    """The bench's synthetic caches: a layer's indexer keys are (nearly) all distinct rows, as a
+    real model's, not the weights' 256-row pool (whose repeats tie the top-k's scores 256 ways,
+    a cost real keys do not have); the window and compressed rows are filled too."""
+    from pocketfm.engine.bench import fill_caches
+    from pocketfm.generate import load
+
+    eng = load(micro_path, device="cuda").engine(4096)
+    fill_caches(eng, 3000)
+    layers = [i for i in range(len(eng.caches)) if eng.keys_of(i) is not None]
+    assert layers
+    for i in layers:
+        keys = eng.keys_of(i).copy_to_host()
+        assert keys.shape[0] > 512, keys.shape  # more rows than the weights' pool
+        distinct = len({r.tobytes() for r in keys})
+        assert distinct >= 0.6 * keys.shape[0], (i, distinct, keys.shape)  # hashed: ~63%+
+        assert eng.caches[i].window.copy_to_host().any()

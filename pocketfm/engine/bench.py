@@ -26,14 +26,24 @@ from .decode import DecodeEngine
 from .synthetic_weights import POOL_ROWS, SyntheticSource, tile_rows
 
 
+# Distinct indexer keys drawn for fill_caches (fewer where no layer keeps that many): with the
+# weights' 256-row pools every score of a row came 256 times, and the top-k's cost depends on
+# ties at the k-th score (2026-12-05 (f): 256 ties cost the prefill's top-k 14%, and an older
+# tie ranking 2.8x), which a real model's keys rarely give. Hashed into 65,536 rows, a layer's
+# rows repeat a few times at most (1M context: ~4 times). ~3 s of host time for V4-Flash.
+KEY_POOL_ROWS = 65_536
+
+
 def fill_caches(eng: DecodeEngine, ctx: int, seed: int = 0) -> None:
     """Valid random packed entries in every cache row; the next step is position ``ctx``."""
     cfg, s = eng.cfg, eng.stream
     rng = np.random.default_rng(seed)
     kv_pool = cuda.to_device(random_packed_kv(rng, POOL_ROWS, cfg.head_dim, cfg.rope_dim)
                              .view(np.uint32), stream=s)
-    key_pool = cuda.to_device(random_packed_keys(rng, POOL_ROWS, cfg.index_dim)
-                              .view(np.uint32), stream=s)
+    key_rows = max([eng.keys_of(i).shape[0] for i in range(len(eng.caches))
+                    if eng.keys_of(i) is not None], default=1)
+    key_pool = cuda.to_device(random_packed_keys(rng, min(KEY_POOL_ROWS, key_rows),
+                                                 cfg.index_dim).view(np.uint32), stream=s)
     for i, c in enumerate(eng.caches):
         c.reset(s)
         comp = eng.comp_of(i)  # (KV swap: the layer's rows of the host pool)
