@@ -40,14 +40,14 @@ def fill_caches(eng: DecodeEngine, ctx: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     kv_pool = cuda.to_device(random_packed_kv(rng, POOL_ROWS, cfg.head_dim, cfg.rope_dim)
                              .view(np.uint32), stream=s)
-    key_rows = max([eng.keys_of(i).shape[0] for i in range(len(eng.caches))
-                    if eng.keys_of(i) is not None], default=1)
+    keys = [eng.keys_of(i) for i in range(len(eng.caches))]
+    key_rows = max([k.shape[0] for k in keys if k is not None], default=1)
     key_pool = cuda.to_device(random_packed_keys(rng, min(KEY_POOL_ROWS, key_rows),
                                                  cfg.index_dim).view(np.uint32), stream=s)
     for i, c in enumerate(eng.caches):
         c.reset(s)
         comp = eng.comp_of(i)  # (KV swap: the layer's rows of the host pool)
-        for a, pool in ((c.window, kv_pool), (comp, kv_pool), (eng.keys_of(i), key_pool)):
+        for a, pool in ((c.window, kv_pool), (comp, kv_pool), (keys[i], key_pool)):
             if a is not None:
                 tile_rows(a.view(np.uint32), pool, 31 * i + a.shape[0], s)
     meta = np.zeros(eng.meta.shape, np.int32)
