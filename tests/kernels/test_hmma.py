@@ -94,21 +94,34 @@ def test_prepare_x_in_group_and_token_major_order():
         np.testing.assert_array_equal(g, w)
 
 
+def _dense_rel_err(qtype, N, T, K):
+    """gemm_hmma of T fresh tokens by a fresh N x K weight against the reference."""
+    rng = fresh_rng()
+    w = _weight(qtype, 1, N, K, rng)
+    x = _x(rng, T, K)
+    ref = np.empty((T, N))
+    hmma.gemm_hmma_ref(ref, w, x)
+    out = poisoned((T, N))
+    hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x))
+    return rel_err(out.copy_to_host(), ref)
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_dense_every_type(name, tiles_mi):
     qtype = TYPES[name]
-    rng = fresh_rng()
     K = 64 if qtype in (GGMLType.Q8_0, GGMLType.F16) else 256
     # 72 rows: every row tile of the first warp (either shape) and a partial one after it;
     # 41 tokens: a full token tile (the K loop without per-tile branches) and one of 9 tokens
     # (two busy 8-token tiles, two skipped)
-    w = _weight(qtype, 1, 72, K, rng)
-    x = _x(rng, 41, K)
-    ref = np.empty((41, 72))
-    hmma.gemm_hmma_ref(ref, w, x)
-    out = poisoned((41, 72))
-    hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x))
-    assert rel_err(out.copy_to_host(), ref) <= BOUND
+    assert _dense_rel_err(qtype, 72, 41, K) <= BOUND
+
+
+@pytest.mark.parametrize("name,K", [("q8_0", 352), ("q2_k", 512)])
+def test_x_staged_over_several_chunks(name, K):
+    # x goes through shared memory hmma.CH = 256 columns at a time: Q8_0 over a full chunk
+    # and a partial one; Q2_K over two super-blocks, each with its own mins' sums
+    assert hmma.CH == 256
+    assert _dense_rel_err(TYPES[name], 20, 11, K) <= BOUND
 
 
 @pytest.mark.parametrize("name,aligned", [("q8_0", True), ("q2_k", True), ("iq2_xxs", True),
