@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from . import pdl
+from . import kcache, pdl
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 if SIMULATOR:  # a block's simulated threads take turns (sim_blocks.py: CI lane A's speed)
@@ -30,7 +30,9 @@ FULL_MASK = 0xFFFFFFFF
 def kernel(fn=None, **opts):
     """``cuda.jit`` with fastmath off by default and profiler / register options dropped in
     the simulator (it raises TypeError on ``lineinfo`` and ``max_registers``). On a GPU the
-    kernel gets pdl.py's prologue (programmatic dependent launch) unless POCKETFM_PDL=0."""
+    kernel gets pdl.py's prologue (programmatic dependent launch) unless POCKETFM_PDL=0, and
+    kcache.py's disk cache where POCKETFM_KERNEL_CACHE asks for it. ``source_fn`` of the
+    dispatcher is ``fn`` (pdl.py compiles a wrapper of it)."""
     if SIMULATOR:
         opts.pop("lineinfo", None)
         opts.pop("max_registers", None)
@@ -40,9 +42,14 @@ def kernel(fn=None, **opts):
 
     def deco(f):
         if not pdl.ENABLED:
-            return jit(f)
-        pdl.install()
-        return pdl.marked(jit(pdl.with_prologue(f)))
+            disp = jit(f)
+        else:
+            pdl.install()
+            disp = pdl.marked(jit(pdl.with_prologue(f)))
+        disp.source_fn = f
+        if not SIMULATOR:
+            kcache.attach(disp, f, dict(opts, pdl=pdl.ENABLED))
+        return disp
     return deco(fn) if fn is not None else deco
 
 

@@ -1,0 +1,224 @@
+"""An on-disk cache of the compiled kernels, so that a second GPU process does not compile again.
+
+Why: Numba compiles each kernel at its first launch, ~1-4 s in its front end and NVVM and
+~0.3 s in ptxas; on V4-Flash's shapes the first prefill chunk took 56-93 s and the first decode
+step 43-75 s (``prefill_first_chunk_s``, ``first_step_s``, H100 / H200, 2026-12-05).
+
+Opt-in while it is unmeasured on a GPU: ``POCKETFM_KERNEL_CACHE=DIR`` (or ``on``: the user's
+cache directory, ``$XDG_CACHE_HOME/pocketfm/kernels`` or ``~/.cache/pocketfm/kernels``);
+unset, empty or ``off``: no cache. ``device.kernel`` gives each kernel it makes a
+``KernelCache``.
+
+What a cached kernel is keyed by (numba's own cache keys a kernel by its function's bytecode,
+its serialised closure and its file's timestamp: a changed device function in another module,
+or pdl.py's wrappers, which have no file and the same bytecode for every kernel of one arity,
+would load a stale or a wrong kernel; and a closure holding an intrinsic serialises with a
+fresh uuid in every process, so it would never load at all):
+- the directory: a hash of every ``.py`` file of the pocketfm package, numba-cuda's version and
+  the ``POCKETFM_*`` and ``NUMBA_*`` environment (any change in the sources or those switches:
+  a new, empty directory);
+- within it: the kernel's own function (module, qualified name, bytecode, constants, closure
+  values, followed into the functions they hold) and its jit options, with the signature, the
+  compute capability and numba-cuda's version.
+A kernel that cannot be saved or loaded (a value numba cannot serialise) is compiled as
+without the cache; the first such failure is reported once on stderr.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import types
+
+import numpy as np
+from numba.core.types import Type as NumbaType
+
+_OFF = ("", "0", "off", "false", "no")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pocketfm/
+_warned: list = []
+
+
+def cache_root() -> str | None:
+    """The cache's directory from POCKETFM_KERNEL_CACHE, or None (no cache)."""
+    v = os.environ.get("POCKETFM_KERNEL_CACHE", "").strip()
+    if v.lower() in _OFF:
+        return None
+    if v.lower() in ("1", "on", "true", "yes"):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "pocketfm", "kernels")
+    return os.path.abspath(os.path.expanduser(v))
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash(package: str = _PACKAGE) -> str:
+    """16 hex digits over every .py file of ``package`` (paths and bytes), numba-cuda's version
+    and the POCKETFM_* and NUMBA_* environment variables."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, package).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read() + b"\0")
+    h.update(_numba_version().encode())
+    for k in sorted(k for k in os.environ if k.startswith(("POCKETFM_", "NUMBA_"))
+                    and k != "POCKETFM_KERNEL_CACHE"):  # (where the cache is: not what is in it)
+        h.update(f"{k}={os.environ[k]}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def _numba_version() -> str:
+    try:
+        import numba_cuda
+        return f"numba-cuda {numba_cuda.__version__}"
+    except ImportError:  # numba's bundled cuda target
+        import numba
+        return f"numba {numba.__version__}"
+
+
+def function_identity(fn, options: dict) -> str:
+    """A hash of a kernel's own function (module, qualified name, bytecode, constants, closure
+    values, recursively) and its jit options; ValueError for a closure value it cannot
+    describe the same way in every process."""
+    h = hashlib.sha256(repr(sorted(options.items())).encode())
+    _fingerprint(h, fn, set())
+    return h.hexdigest()[:16]
+
+
+def _fingerprint(h, v, seen: set) -> None:
+    """Feed a process-independent description of ``v`` to hash ``h``. (numba's serialiser is
+    not one: an intrinsic pickles with a fresh uuid in every process, so a kernel whose closure
+    reaches one would never be found again.) Module-level names are not followed: the
+    directory's source hash covers them."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        h.update(f"{type(v).__name__}:{v!r}\0".encode())
+    elif isinstance(v, (tuple, list)):
+        h.update(f"{type(v).__name__}[{len(v)}\0".encode())
+        for x in v:
+            _fingerprint(h, x, seen)
+    elif isinstance(v, np.ndarray):
+        h.update(f"ndarray:{v.dtype.str}:{v.shape}\0".encode() + np.ascontiguousarray(v).tobytes())
+    elif isinstance(v, np.generic):
+        h.update(f"{v.dtype.str}:{v!r}\0".encode())
+    elif hasattr(v, "py_func") and hasattr(v, "targetoptions"):  # a jitted (device) function
+        h.update(f"jit:{sorted(v.targetoptions.items())!r}\0".encode())
+        _fingerprint(h, v.py_func, seen)
+    elif isinstance(v, types.FunctionType):
+        h.update(f"fn:{v.__module__}.{v.__qualname__}\0".encode())
+        if id(v) in seen:  # (recursion through closures)
+            return
+        seen.add(id(v))
+        _hash_code(h, v.__code__)
+        for c in v.__closure__ or ():
+            _fingerprint(h, c.cell_contents, seen)
+    elif isinstance(v, types.ModuleType):
+        h.update(f"module:{v.__name__}\0".encode())
+    elif isinstance(v, type):
+        h.update(f"class:{v.__module__}.{v.__qualname__}\0".encode())
+    elif isinstance(v, NumbaType):
+        h.update(f"numba type:{v}\0".encode())
+    elif isinstance(getattr(v, "_defn", None), types.FunctionType):  # an @intrinsic: its typer
+        h.update(f"intrinsic:{getattr(v, '_name', '')}\0".encode())  # (and the PTX it closes
+        _fingerprint(h, v._defn, seen)  # over)
+    else:
+        raise ValueError(f"cannot fingerprint a {type(v).__qualname__} in a kernel's closure")
+
+
+def _hash_code(h, code) -> None:
+    """Bytecode, names and constants of ``code``, nested functions' code included (by content:
+    the repr of a code object holds its address, which differs between processes)."""
+    h.update(code.co_code + repr(code.co_names).encode())
+    for c in code.co_consts:
+        if hasattr(c, "co_code"):
+            _hash_code(h, c)
+        elif isinstance(c, frozenset):  # (set order follows string hashes, seeded per process)
+            h.update(repr(sorted(map(repr, c))).encode())
+        else:
+            h.update(repr(c).encode())
+
+
+def _warn_once(what: str, err: Exception) -> None:
+    if not _warned:
+        _warned.append(what)
+        print(f"pocketfm: kernel cache: {what}: {type(err).__name__}: {err} (compiling instead; "
+              f"further failures not shown)", file=sys.stderr)
+
+
+def attach(disp, fn, options: dict) -> None:
+    """Give dispatcher ``disp`` (compiled from ``fn``, or pdl.py's wrapper of it) the disk cache
+    when POCKETFM_KERNEL_CACHE asks for one."""
+    root = cache_root()
+    if root is None:
+        return
+    try:
+        disp._cache = _kernel_cache_class()(disp.py_func, os.path.join(root, source_hash()),
+                                            function_identity(fn, options))
+    except Exception as e:  # an unwritable directory, a closure numba cannot serialise
+        _warn_once(f"{fn.__qualname__} not cached", e)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_cache_class():
+    """KernelCache, made on first use (numba-cuda's caching classes load the CUDA target)."""
+    from numba.cuda.core.caching import _CacheLocator
+    from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
+
+    class _Locator(_CacheLocator):
+        def __init__(self, path, identity):
+            self._path, self._identity = path, identity
+
+        def get_cache_path(self):
+            return self._path
+
+        def get_source_stamp(self):  # the path holds the sources' hash already
+            return os.path.basename(self._path)
+
+        def get_disambiguator(self):
+            return self._identity
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            # numba's CacheImpl asks each locator class for a locator of the function alone;
+            # the one KernelCache made for this kernel is handed over here
+            return _next.pop()
+
+    _next: list = []
+
+    class _Impl(CUDACacheImpl):
+        _locator_classes = [_Locator]
+
+    class KernelCache(CUDACache):
+        """numba-cuda's kernel cache with this module's directory and key (module doc)."""
+        _impl_class = _Impl
+
+        def __init__(self, py_func, path, identity):
+            self._identity = identity
+            loc = _Locator(path, identity)
+            loc.ensure_cache_path()
+            _next.append(loc)
+            super().__init__(py_func)
+
+        def _index_key(self, sig, codegen):
+            """numba's key without its serialised closure (not the same in two processes:
+            _fingerprint), with the kernel's identity instead."""
+            key = (sig, codegen.magic_tuple(), _numba_version(), ("pocketfm", self._identity))
+            if self._launch_config_key is not None:
+                key += (("launch_config", self._launch_config_key),)
+            return key
+
+        def load_overload(self, sig, target_context):
+            try:
+                return super().load_overload(sig, target_context)
+            except Exception as e:
+                _warn_once(f"loading {self._name}", e)
+                return None
+
+        def save_overload(self, sig, data):
+            try:
+                super().save_overload(sig, data)
+            except Exception as e:
+                _warn_once(f"saving {self._name}", e)
+
+    return KernelCache
