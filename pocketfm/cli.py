@@ -182,7 +182,9 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
     resident_fraction and the per-cycle stats (memory_cycles). With --kv-swap the compressed
     KV lives in pinned host memory and the selected chunks are swapped into GPU slots; the
     gguf_kv_swap lines go to stderr and --json adds kv_swap (hits, misses, stores, ...).
-    The seed's POCKETLLM_GGUF_* variables are read too (flags win).
+    The seed's POCKETLLM_GGUF_* variables are read too (flags win). With --device cuda the
+    kernels compile at their first launch (a minute or two on V4-Flash);
+    POCKETFM_KERNEL_CACHE=DIR keeps them on disk for the next run (opt-in).
     """
     from .generate import load
     from .kvswap.config import swap_config
@@ -364,6 +366,7 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
     tokens then go through the real chunked prefill. Prints decode (and prefill) tok/s,
     bytes read per token and achieved GB/s, and GPU memory by component. Kernels are
     launched with programmatic dependent launch on sm_90 GPUs; POCKETFM_PDL=0 turns it off.
+    POCKETFM_KERNEL_CACHE=DIR keeps the compiled kernels on disk for the next run (opt-in).
     """
     from .generate import resolve_device
     from .presets import first_layers, preset

@@ -149,14 +149,34 @@ def _warn_once(what: str, err: Exception) -> None:
 def attach(disp, fn, options: dict) -> None:
     """Give dispatcher ``disp`` (compiled from ``fn``, or pdl.py's wrapper of it) the disk cache
     when POCKETFM_KERNEL_CACHE asks for one."""
-    root = cache_root()
-    if root is None:
+    path = _usable_dir()
+    if path is None:
         return
     try:
-        disp._cache = _kernel_cache_class()(disp.py_func, os.path.join(root, source_hash()),
-                                            function_identity(fn, options))
-    except Exception as e:  # an unwritable directory, a closure numba cannot serialise
+        disp._cache = _kernel_cache_class()(disp.py_func, path, function_identity(fn, options))
+    except Exception as e:  # a closure value it cannot describe
         _warn_once(f"{fn.__qualname__} not cached", e)
+
+
+@functools.lru_cache(maxsize=None)
+def _usable_dir() -> str | None:
+    """This process's cache directory (made if missing), or None: no cache asked for, or one
+    that cannot be written (said once on stderr; the kernels are compiled as without it)."""
+    root = cache_root()
+    if root is None:
+        return None
+    path = os.path.join(root, source_hash())
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".probe-{os.getpid()}")
+        open(probe, "w").close()
+        os.unlink(probe)
+    except OSError as e:
+        print(f"pocketfm: POCKETFM_KERNEL_CACHE={os.environ.get('POCKETFM_KERNEL_CACHE')}: "
+              f"cannot write {path} ({e.strerror}); kernels are compiled without a cache",
+              file=sys.stderr)
+        return None
+    return path
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,15 +209,19 @@ def _kernel_cache_class():
     class _Impl(CUDACacheImpl):
         _locator_classes = [_Locator]
 
+        def get_filename_base(self, fullname, abiflags):
+            """The kernel's name, made safe and short (pdl.py's wrappers are named after
+            their file, ``<pdl prologue of ...>``), and its identity."""
+            safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in fullname)
+            return f"{safe[-80:]}-{self.locator.get_disambiguator()}"
+
     class KernelCache(CUDACache):
         """numba-cuda's kernel cache with this module's directory and key (module doc)."""
         _impl_class = _Impl
 
         def __init__(self, py_func, path, identity):
             self._identity = identity
-            loc = _Locator(path, identity)
-            loc.ensure_cache_path()
-            _next.append(loc)
+            _next.append(_Locator(path, identity))  # (path: _usable_dir's, made and tried)
             super().__init__(py_func)
 
         def _index_key(self, sig, codegen):

@@ -23,7 +23,8 @@ out = {"ids": sorted(kcache.function_identity(k.source_fn, k.targetoptions)
 from pocketfm.kernels import hmma
 from pocketfm.quants import GGMLType
 c = hmma._KERNELS[GGMLType.Q8_0]._cache
-out["cache"] = [type(c).__name__, getattr(c, "cache_path", None), kcache.source_hash()]
+out["cache"] = [type(c).__name__, getattr(c, "cache_path", None), kcache.source_hash(),
+                getattr(getattr(c, "_impl", None), "filename_base", None)]
 print(json.dumps(out))
 """
 
@@ -43,9 +44,22 @@ def test_every_kernel_has_its_own_identity_the_same_in_every_process(tmp_path):
     # closures tell them apart), and a second process finds the first one's keys
     assert len(a["ids"]) == len(set(a["ids"])) == len(a["names"]) > 100
     assert a["ids"] == b["ids"]
-    kind, path, sources = a["cache"]
+    kind, path, sources, base = a["cache"]
     assert kind == "KernelCache" and path == str(tmp_path / sources) and b["cache"] == a["cache"]
+    assert base.endswith("_gemm_q8_0_hmma-" + base[-16:]) and len(base) <= 97  # name-identity
     assert _probe()["cache"][0] == "NullCache"  # opt-in: no POCKETFM_KERNEL_CACHE, no cache
+
+
+def test_an_unwritable_cache_is_one_line_on_stderr_and_no_cache(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory would go")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", POCKETFM_KERNEL_CACHE=str(blocker))
+    p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["cache"][0] == "NullCache"
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"POCKETFM_KERNEL_CACHE={blocker}: cannot write" in lines[0]
 
 
 def test_cache_root_from_the_environment(monkeypatch, tmp_path):
