@@ -105,11 +105,7 @@ def read_source(path: str) -> list[Kernel]:
 
 def by_reason(k: Kernel) -> list[tuple[str, float]]:
     """(reason, samples), largest first."""
-    tot: dict = {}
-    for i in k.instrs:
-        for r, v in i.stalls.items():
-            tot[r] = tot.get(r, 0.0) + v
-    return sorted(((r, v) for r, v in tot.items() if v > 0), key=lambda rv: -rv[1])
+    return sorted(((r, v) for r, v in _summed(k.instrs).items() if v > 0), key=lambda rv: -rv[1])
 
 
 def _leading(stalls: dict, n: int = 2) -> str:

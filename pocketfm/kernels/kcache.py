@@ -70,12 +70,9 @@ def source_hash(package: str = _PACKAGE) -> str:
 
 
 def _numba_version() -> str:
-    try:
-        import numba_cuda
-        return f"numba-cuda {numba_cuda.__version__}"
-    except ImportError:  # numba's bundled cuda target
-        import numba
-        return f"numba {numba.__version__}"
+    import numba_cuda
+
+    return f"numba-cuda {numba_cuda.__version__}"
 
 
 def function_identity(fn, options: dict) -> str:
