@@ -183,8 +183,9 @@ def run(model_path, prompt, prompt_file, chat, max_tokens, ctx, temperature, top
     KV lives in pinned host memory and the selected chunks are swapped into GPU slots; the
     gguf_kv_swap lines go to stderr and --json adds kv_swap (hits, misses, stores, ...).
     The seed's POCKETLLM_GGUF_* variables are read too (flags win). With --device cuda the
-    kernels compile at their first launch (a minute or two on V4-Flash);
-    POCKETFM_KERNEL_CACHE=DIR keeps them on disk for the next run (opt-in).
+    kernels compile at their first launch (a minute or two on V4-Flash) and are kept on disk
+    for the next run (~/.cache/pocketfm/kernels; POCKETFM_KERNEL_CACHE=DIR elsewhere, =off
+    not at all).
     """
     from .generate import load
     from .kvswap.config import swap_config
@@ -366,7 +367,8 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
     tokens then go through the real chunked prefill. Prints decode (and prefill) tok/s,
     bytes read per token and achieved GB/s, and GPU memory by component. Kernels are
     launched with programmatic dependent launch on sm_90 GPUs; POCKETFM_PDL=0 turns it off.
-    POCKETFM_KERNEL_CACHE=DIR keeps the compiled kernels on disk for the next run (opt-in).
+    Compiled kernels are kept on disk for the next run (~/.cache/pocketfm/kernels;
+    POCKETFM_KERNEL_CACHE=DIR elsewhere, =off not at all: then every kernel compiles again).
     """
     from .generate import resolve_device
     from .presets import first_layers, preset

@@ -31,7 +31,7 @@ def kernel(fn=None, **opts):
     """``cuda.jit`` with fastmath off by default and profiler / register options dropped in
     the simulator (it raises TypeError on ``lineinfo`` and ``max_registers``). On a GPU the
     kernel gets pdl.py's prologue (programmatic dependent launch) unless POCKETFM_PDL=0, and
-    kcache.py's disk cache where POCKETFM_KERNEL_CACHE asks for it. ``source_fn`` of the
+    kcache.py's disk cache unless POCKETFM_KERNEL_CACHE=off. ``source_fn`` of the
     dispatcher is ``fn`` (pdl.py compiles a wrapper of it)."""
     if SIMULATOR:
         opts.pop("lineinfo", None)

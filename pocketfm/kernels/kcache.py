@@ -2,21 +2,26 @@
 
 Why: Numba compiles each kernel at its first launch, ~1-4 s in its front end and NVVM and
 ~0.3 s in ptxas; on V4-Flash's shapes the first prefill chunk took 56-93 s and the first decode
-step 43-75 s (``prefill_first_chunk_s``, ``first_step_s``, H100 / H200, 2026-12-05).
+step 43-75 s (``prefill_first_chunk_s``, ``first_step_s``, H100 / H200, 2026-12-05). With the
+cache warm, 0.87 s and 0.34 s, and a whole ``pocketfm bench`` process 28 s instead of 180
+(H100, 2026-12-05 (h) in BENCHMARKS.md; engine-check's tokens and logits the same).
 
-Opt-in while it is unmeasured on a GPU: ``POCKETFM_KERNEL_CACHE=DIR`` (or ``on``: the user's
-cache directory, ``$XDG_CACHE_HOME/pocketfm/kernels`` or ``~/.cache/pocketfm/kernels``);
-unset, empty or ``off``: no cache. ``device.kernel`` gives each kernel it makes a
-``KernelCache``.
+On by default, in ``$XDG_CACHE_HOME/pocketfm/kernels`` or ``~/.cache/pocketfm/kernels``;
+``POCKETFM_KERNEL_CACHE=DIR`` puts it elsewhere, ``=off`` (or 0, no, false) turns it off.
+``device.kernel`` gives each kernel it makes a ``KernelCache``. Nothing is made on disk until a
+kernel is compiled and saved; then the directory is made and tried once a process (one stderr
+line if it cannot be written, and the kernels are compiled as without a cache), and the cache
+keeps the newest ``KEEP`` source hashes' directories (by last use), removing older ones' cache
+files: each is ~45 MB, and every change of the sources or switches starts a new one.
 
 What a cached kernel is keyed by (numba's own cache keys a kernel by its function's bytecode,
 its serialised closure and its file's timestamp: a changed device function in another module,
 or pdl.py's wrappers, which have no file and the same bytecode for every kernel of one arity,
 would load a stale or a wrong kernel; and a closure holding an intrinsic serialises with a
 fresh uuid in every process, so it would never load at all):
-- the directory: a hash of every ``.py`` file of the pocketfm package, numba-cuda's version and
-  the ``POCKETFM_*`` and ``NUMBA_*`` environment (any change in the sources or those switches:
-  a new, empty directory);
+- the directory: a hash of every ``.py`` file of the pocketfm package, numba-cuda's, numba's
+  and Python's versions and the ``POCKETFM_*`` and ``NUMBA_*`` environment (any change in the
+  sources or those switches: a new, empty directory);
 - within it: the kernel's own function (module, qualified name, bytecode, constants, closure
   values, followed into the functions they hold) and its jit options, with the signature, the
   compute capability and numba-cuda's version.
@@ -31,20 +36,23 @@ import os
 import sys
 import types
 
+import numba
 import numpy as np
 from numba.core.types import Type as NumbaType
 
-_OFF = ("", "0", "off", "false", "no")
+_OFF = ("0", "off", "false", "no", "none")
+KEEP = 3  # source hashes' directories kept (the newest by last use)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pocketfm/
 _warned: list = []
 
 
 def cache_root() -> str | None:
-    """The cache's directory from POCKETFM_KERNEL_CACHE, or None (no cache)."""
+    """The cache's directory from POCKETFM_KERNEL_CACHE (unset: the user's cache directory),
+    or None (turned off)."""
     v = os.environ.get("POCKETFM_KERNEL_CACHE", "").strip()
     if v.lower() in _OFF:
         return None
-    if v.lower() in ("1", "on", "true", "yes"):
+    if v.lower() in ("", "1", "on", "true", "yes"):
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(base, "pocketfm", "kernels")
     return os.path.abspath(os.path.expanduser(v))
@@ -52,8 +60,8 @@ def cache_root() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def source_hash(package: str = _PACKAGE) -> str:
-    """16 hex digits over every .py file of ``package`` (paths and bytes), numba-cuda's version
-    and the POCKETFM_* and NUMBA_* environment variables."""
+    """16 hex digits over every .py file of ``package`` (paths and bytes), numba-cuda's, numba's
+    and Python's versions and the POCKETFM_* and NUMBA_* environment variables."""
     h = hashlib.sha256()
     for root, dirs, files in os.walk(package):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
@@ -62,7 +70,7 @@ def source_hash(package: str = _PACKAGE) -> str:
             h.update(os.path.relpath(path, package).encode() + b"\0")
             with open(path, "rb") as f:
                 h.update(f.read() + b"\0")
-    h.update(_numba_version().encode())
+    h.update(f"{_numba_version()} numba {numba.__version__} {sys.version}".encode())
     for k in sorted(k for k in os.environ if k.startswith(("POCKETFM_", "NUMBA_"))
                     and k != "POCKETFM_KERNEL_CACHE"):  # (where the cache is: not what is in it)
         h.update(f"{k}={os.environ[k]}\0".encode())
@@ -145,35 +153,70 @@ def _warn_once(what: str, err: Exception) -> None:
 
 def attach(disp, fn, options: dict) -> None:
     """Give dispatcher ``disp`` (compiled from ``fn``, or pdl.py's wrapper of it) the disk cache
-    when POCKETFM_KERNEL_CACHE asks for one."""
-    path = _usable_dir()
-    if path is None:
+    unless POCKETFM_KERNEL_CACHE turns it off."""
+    root = cache_root()
+    if root is None:
         return
     try:
-        disp._cache = _kernel_cache_class()(disp.py_func, path, function_identity(fn, options))
+        disp._cache = _kernel_cache_class()(disp.py_func, os.path.join(root, source_hash()),
+                                            function_identity(fn, options))
     except Exception as e:  # a closure value it cannot describe
         _warn_once(f"{fn.__qualname__} not cached", e)
 
 
 @functools.lru_cache(maxsize=None)
-def _usable_dir() -> str | None:
-    """This process's cache directory (made if missing), or None: no cache asked for, or one
-    that cannot be written (said once on stderr; the kernels are compiled as without it)."""
-    root = cache_root()
-    if root is None:
-        return None
-    path = os.path.join(root, source_hash())
+def writable(path: str) -> bool:
+    """Make ``path`` (this process's cache directory) and try a file in it, once a process;
+    then prune the directories of older source hashes. False (said once on stderr): the
+    kernels are compiled and not saved."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".probe-{os.getpid()}")
         open(probe, "w").close()
         os.unlink(probe)
     except OSError as e:
-        print(f"pocketfm: POCKETFM_KERNEL_CACHE={os.environ.get('POCKETFM_KERNEL_CACHE')}: "
-              f"cannot write {path} ({e.strerror}); kernels are compiled without a cache",
-              file=sys.stderr)
-        return None
-    return path
+        print(f"pocketfm: kernel cache: cannot write {path} ({e.strerror}); kernels are "
+              f"compiled without a cache (POCKETFM_KERNEL_CACHE=DIR puts it elsewhere, =off "
+              f"turns it off)", file=sys.stderr)
+        return False
+    used(path)
+    prune(os.path.dirname(path), KEEP)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def used(path: str) -> None:
+    """Mark ``path`` used now (its mtime: prune keeps the newest), once a process."""
+    try:
+        os.utime(path)
+    except OSError:  # (not made yet, or read-only: nothing to keep it from)
+        pass
+
+
+def prune(root: str, keep: int) -> list:
+    """Remove the cache files of all but the ``keep`` most recently used source hashes'
+    directories under ``root``, and those directories if nothing else is in them; returns the
+    directories pruned. Only 16-hex-digit directories and numba's .nbi / .nbc files are
+    touched: a DIR the user shares with other files loses none of them."""
+    try:
+        names = [n for n in os.listdir(root) if len(n) == 16
+                 and all(ch in "0123456789abcdef" for ch in n)
+                 and os.path.isdir(os.path.join(root, n))]
+        names.sort(key=lambda n: os.path.getmtime(os.path.join(root, n)), reverse=True)
+    except OSError:
+        return []
+    pruned = []
+    for n in names[keep:]:
+        d = os.path.join(root, n)
+        try:
+            for f in os.listdir(d):
+                if f.endswith((".nbi", ".nbc")):
+                    os.unlink(os.path.join(d, f))
+            os.rmdir(d)
+        except OSError:  # (another process's, or a file that is not ours: left as it is)
+            pass
+        pruned.append(d)
+    return pruned
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,7 +261,7 @@ def _kernel_cache_class():
 
         def __init__(self, py_func, path, identity):
             self._identity = identity
-            _next.append(_Locator(path, identity))  # (path: _usable_dir's, made and tried)
+            _next.append(_Locator(path, identity))
             super().__init__(py_func)
 
         def _index_key(self, sig, codegen):
@@ -230,6 +273,7 @@ def _kernel_cache_class():
             return key
 
         def load_overload(self, sig, target_context):
+            used(self._cache_path)
             try:
                 return super().load_overload(sig, target_context)
             except Exception as e:
@@ -237,6 +281,8 @@ def _kernel_cache_class():
                 return None
 
         def save_overload(self, sig, data):
+            if not writable(self._cache_path):
+                return
             try:
                 super().save_overload(sig, data)
             except Exception as e:

@@ -1,6 +1,7 @@
-"""kcache.py: the on-disk kernel cache's directory and keys (the GPU's save / load is measured
-on the device: BENCHMARKS.md). The checks that build every kernel run in a subprocess without
-the simulator, as CI lane B does: the simulator makes no dispatchers to cache."""
+"""kcache.py: the on-disk kernel cache's directory, keys, pruning and, on a GPU, a save in one
+process and a load in the next (skipped without one; the start-up time saved is measured on the
+device: BENCHMARKS.md). The checks that build every kernel run in a subprocess without the
+simulator, as CI lane B does: the simulator makes no dispatchers to cache."""
 import json
 import os
 import subprocess
@@ -29,12 +30,16 @@ print(json.dumps(out))
 """
 
 
-def _probe(**env):
+def _run(script, **env):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", **env)
-    p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+def _probe(**env):
+    return _run(PROBE, **env)[0]
 
 
 def test_every_kernel_has_its_own_identity_the_same_in_every_process(tmp_path):
@@ -47,27 +52,39 @@ def test_every_kernel_has_its_own_identity_the_same_in_every_process(tmp_path):
     kind, path, sources, base = a["cache"]
     assert kind == "KernelCache" and path == str(tmp_path / sources) and b["cache"] == a["cache"]
     assert base.endswith("_gemm_q8_0_hmma-" + base[-16:]) and len(base) <= 97  # name-identity
-    assert _probe()["cache"][0] == "NullCache"  # opt-in: no POCKETFM_KERNEL_CACHE, no cache
+    assert os.listdir(tmp_path) == []  # nothing is made on disk before a kernel is saved
+
+    assert _probe(POCKETFM_KERNEL_CACHE="off")["cache"][0] == "NullCache"
+    # on by default (empty: as unset, test_cache_root_from_the_environment), in the user's
+    # cache directory
+    default = _probe(XDG_CACHE_HOME=str(tmp_path / "xdg"), POCKETFM_KERNEL_CACHE="")
+    assert default["cache"][:2] == ["KernelCache",
+                                    str(tmp_path / "xdg" / "pocketfm" / "kernels" / sources)]
 
 
-def test_an_unwritable_cache_is_one_line_on_stderr_and_no_cache(tmp_path):
+def test_an_unwritable_cache_is_one_line_on_stderr_and_no_save(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache directory would go")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", POCKETFM_KERNEL_CACHE=str(blocker))
-    p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout.strip().splitlines()[-1])["cache"][0] == "NullCache"
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"POCKETFM_KERNEL_CACHE={blocker}: cannot write" in lines[0]
+    path = str(blocker / "0123456789abcdef")
+    kcache.writable.cache_clear()
+    try:
+        assert kcache.writable(path) is False and kcache.writable(path) is False
+    finally:
+        kcache.writable.cache_clear()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pocketfm: kernel cache: cannot write {path}")
+    assert "POCKETFM_KERNEL_CACHE=DIR" in lines[0] and blocker.read_text().startswith("a file")
 
 
 def test_cache_root_from_the_environment(monkeypatch, tmp_path):
-    for off in ("", "off", "0", "no"):
+    for off in ("off", "0", "no", "OFF"):
         monkeypatch.setenv("POCKETFM_KERNEL_CACHE", off)
         assert kcache.cache_root() is None
-    monkeypatch.setenv("POCKETFM_KERNEL_CACHE", "on")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for on in ("on", "", "1"):  # unset or empty: on, in the user's cache directory
+        monkeypatch.setenv("POCKETFM_KERNEL_CACHE", on)
+        assert kcache.cache_root() == str(tmp_path / "pocketfm" / "kernels")
+    monkeypatch.delenv("POCKETFM_KERNEL_CACHE")
     assert kcache.cache_root() == str(tmp_path / "pocketfm" / "kernels")
     monkeypatch.setenv("POCKETFM_KERNEL_CACHE", str(tmp_path / "k"))
     assert kcache.cache_root() == str(tmp_path / "k")
@@ -121,3 +138,80 @@ def test_identity_follows_code_closure_and_options():
         pass
     with pytest.raises(ValueError, match="cannot fingerprint a .*Opaque"):
         kcache.function_identity(_maker(Opaque(), np.ones(3)), {})
+
+
+def test_prune_keeps_the_newest_directories_and_only_removes_cache_files(tmp_path):
+    dirs = []
+    for i in range(5):
+        d = tmp_path / f"{i:016x}"
+        d.mkdir()
+        (d / "k-1.nbi").write_bytes(b"index")
+        (d / "k-1.1.nbc").write_bytes(b"data")
+        if i == 0:
+            (d / "notes.txt").write_text("the user's, not ours")
+        os.utime(d, (1000 + i, 1000 + i))  # directory i last used at time 1000 + i
+        dirs.append(d)
+    (tmp_path / "not-a-hash").mkdir()
+    (tmp_path / "NOT0123456789ABC").mkdir()
+
+    pruned = kcache.prune(str(tmp_path), keep=2)
+    assert sorted(pruned) == sorted(str(d) for d in dirs[:3])
+    assert [d.exists() for d in dirs] == [True, False, False, True, True]
+    assert os.listdir(dirs[0]) == ["notes.txt"]  # its cache files gone, the user's file kept
+    assert sorted(os.listdir(dirs[4])) == ["k-1.1.nbc", "k-1.nbi"]
+    assert (tmp_path / "not-a-hash").is_dir() and (tmp_path / "NOT0123456789ABC").is_dir()
+    assert kcache.prune(str(tmp_path / "missing"), keep=2) == []
+
+
+def test_a_writable_cache_is_made_marked_used_and_pruned(tmp_path):
+    old = []
+    for i in range(kcache.KEEP + 1):
+        d = tmp_path / f"{i:016x}"
+        d.mkdir()
+        os.utime(d, (1000 + i, 1000 + i))
+        old.append(d)
+    path = str(tmp_path / ("f" * 16))
+    kcache.writable.cache_clear()
+    kcache.used.cache_clear()
+    try:
+        assert kcache.writable(path) is True
+    finally:
+        kcache.writable.cache_clear()
+        kcache.used.cache_clear()
+    assert os.path.isdir(path) and os.listdir(path) == []  # the probe file is gone
+    # this process's directory and the KEEP - 1 newest others stay
+    assert [d.exists() for d in old] == [False, False] + [True] * (kcache.KEEP - 1)
+
+
+# the same kernel in two processes sharing a cache: the first compiles and saves, the second
+# loads (no compile) and computes the same
+GPU_PROBE = """
+import json, numpy as np
+from numba import cuda
+if not cuda.is_available():
+    print(json.dumps({"gpu": False})); raise SystemExit
+from pocketfm.kernels import norm_rope
+x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+w = np.linspace(0.5, 1.5, 256, dtype=np.float32)
+out = cuda.device_array_like(x)
+norm_rope.rmsnorm(out, cuda.to_device(x), cuda.to_device(w), 1e-6, True)
+ref = np.empty_like(x)
+norm_rope.rmsnorm_ref(ref, x, w, 1e-6, True)
+st = norm_rope._rmsnorm_block_rows.stats
+print(json.dumps({"gpu": True, "hits": sum(st.cache_hits.values()),
+                  "misses": sum(st.cache_misses.values()), "out": out.copy_to_host().tolist(),
+                  "err": float(np.abs(out.copy_to_host() - ref).max())}))
+"""
+
+
+def test_a_second_process_loads_the_kernels_the_first_saved(tmp_path):
+    first, _ = _run(GPU_PROBE, POCKETFM_KERNEL_CACHE=str(tmp_path))
+    if not first["gpu"]:
+        pytest.skip("no GPU: saving and loading a compiled kernel needs one")
+    second, _ = _run(GPU_PROBE, POCKETFM_KERNEL_CACHE=str(tmp_path))
+    assert (first["hits"], first["misses"]) == (0, 1)
+    assert (second["hits"], second["misses"]) == (1, 0)
+    assert second["out"] == first["out"] and second["err"] < 1e-5
+    (sources,) = os.listdir(tmp_path)
+    assert any(f.startswith("_rmsnorm_block_rows-") and f.endswith(".nbi")
+               for f in os.listdir(tmp_path / sources))
