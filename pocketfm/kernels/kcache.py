@@ -26,7 +26,10 @@ fresh uuid in every process, so it would never load at all):
   values, followed into the functions they hold) and its jit options, with the signature, the
   compute capability and numba-cuda's version.
 A kernel that cannot be saved or loaded (a value numba cannot serialise) is compiled as
-without the cache; the first such failure is reported once on stderr.
+without the cache; the first such failure is reported once on stderr. Processes may share the
+cache at once (pytest's workers on a GPU): files are written whole under a temporary name, and
+each compiled kernel's data file is named by its key (_KeyedFile), so a race loses at most an
+index entry (compiled again), never hands a signature another's kernel.
 """
 from __future__ import annotations
 
@@ -222,7 +225,7 @@ def prune(root: str, keep: int) -> list:
 @functools.lru_cache(maxsize=None)
 def _kernel_cache_class():
     """KernelCache, made on first use (numba-cuda's caching classes load the CUDA target)."""
-    from numba.cuda.core.caching import _CacheLocator
+    from numba.cuda.core.caching import IndexDataCacheFile, _CacheLocator
     from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 
     class _Locator(_CacheLocator):
@@ -255,14 +258,36 @@ def _kernel_cache_class():
             safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in fullname)
             return f"{safe[-80:]}-{self.locator.get_disambiguator()}"
 
+    class _KeyedFile(IndexDataCacheFile):
+        """numba's index and data files, each data file named after a hash of its key. (numba
+        numbers them in order: two processes saving two signatures of one kernel at once, as
+        pytest's workers on a GPU do, could both take number 1, and the index then points one
+        signature at the other's kernel.) The data goes first, then the index entry; a lost
+        index update (two writers) is a miss, compiled and saved again."""
+
+        def save(self, key, data):
+            name = self.data_name(key)
+            self._save_data(name, data)
+            overloads = self._load_index()
+            overloads[key] = name
+            self._save_index(overloads)
+
+        def data_name(self, key):
+            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            return f"{self._index_name[:-len('.nbi')]}.{digest}.nbc"
+
     class KernelCache(CUDACache):
-        """numba-cuda's kernel cache with this module's directory and key (module doc)."""
+        """numba-cuda's kernel cache with this module's directory, key and data file names
+        (module doc)."""
         _impl_class = _Impl
+        File = _KeyedFile
 
         def __init__(self, py_func, path, identity):
             self._identity = identity
             _next.append(_Locator(path, identity))
             super().__init__(py_func)
+            self._cache_file = _KeyedFile(self._cache_path, self._impl.filename_base,
+                                          self._impl.locator.get_source_stamp())
 
         def _index_key(self, sig, codegen):
             """numba's key without its serialised closure (not the same in two processes:

@@ -216,3 +216,35 @@ def test_a_second_process_loads_the_kernels_the_first_saved(tmp_path):
     # (named after the kernel: pdl.py's wrapper's file name, made safe, ends in it)
     assert any("_rmsnorm_block_rows-" in f and f.endswith(".nbi")
                for f in os.listdir(tmp_path / sources))
+
+
+# numba names a kernel's data files 1, 2, ... in the order saved: two processes saving two
+# signatures at once could both write number 1, and the index would then hand one signature
+# the other's kernel. Here each data file is named by its key; a writer that read the index
+# before another's save drops that entry (a miss later), never points it at the wrong data.
+RACE = """
+import json, sys
+from pocketfm.kernels import kcache
+File = kcache._kernel_cache_class().File
+a = File(sys.argv[1], "k-0123", "stamp")
+b = File(sys.argv[1], "k-0123", "stamp")
+a.save(("sig A",), "kernel A")
+stale = b._load_index()  # b read the index before a's save of sig B ...
+a.save(("sig B",), "kernel B")
+stale[("sig C",)] = b.data_name(("sig C",))
+b._save_index(stale)  # ... and wrote it back with its own entry
+b._save_data(b.data_name(("sig C",)), "kernel C")
+print(json.dumps({"A": a.load(("sig A",)), "B": a.load(("sig B",)), "C": a.load(("sig C",)),
+                  "names": sorted({a.data_name((s,)) for s in ("sig A", "sig B", "sig C")})}))
+"""
+
+
+def test_data_files_are_named_by_key_so_racing_writers_lose_entries_not_kernels(tmp_path):
+    p = subprocess.run([sys.executable, "-c", RACE, str(tmp_path)], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (got["A"], got["B"], got["C"]) == ("kernel A", None, "kernel C")  # B: a miss
+    assert len(got["names"]) == 3 and all(n.startswith("k-0123.") and n.endswith(".nbc")
+                                          for n in got["names"])
+    assert sorted(os.listdir(tmp_path)) == sorted(got["names"] + ["k-0123.nbi"])
