@@ -368,7 +368,8 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
     bytes read per token and achieved GB/s, and GPU memory by component. Kernels are
     launched with programmatic dependent launch on sm_90 GPUs; POCKETFM_PDL=0 turns it off.
     Compiled kernels are kept on disk for the next run (~/.cache/pocketfm/kernels;
-    POCKETFM_KERNEL_CACHE=DIR elsewhere, =off not at all: then every kernel compiles again).
+    POCKETFM_KERNEL_CACHE=DIR elsewhere, =off not at all: then every kernel compiles again);
+    --json's kernel_cache names the directory (null: off).
     """
     from .generate import resolve_device
     from .presets import first_layers, preset

@@ -36,6 +36,7 @@ def test_bench_tiny_in_the_simulator():
     assert code == 0, err
     r = json.loads(out.strip().splitlines()[-1])
     assert r["ctx"] == 44 and r["decode_tok_s"] > 0
+    assert r["kernel_cache"] is None  # (the simulator compiles nothing to keep)
     assert r["prefill_tokens"] == 2 and r["prefill_tok_s"] > 0 and r["prefill_chunk"] == 2
     chunks = r["prefill_chunks_s"]  # each chunk's time: one chunk, the whole prefill
     assert len(chunks) == 1 and 0 < chunks[0] <= r["prefill_s"]

@@ -463,7 +463,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
                     gpu_bytes=dict(weights=eng.w.nbytes, kv_caches=eng.cache_bytes,
                                    workspace_and_other=used and used - eng.w.nbytes
                                    - eng.cache_bytes, total=used),
-                    build_s=build_s)
+                    build_s=build_s, kernel_cache=_kernel_cache())
     t0 = time.perf_counter()
     eng.step()  # eager: compiles every kernel, allocates the lazy scratch
     eng.stream.synchronize()
@@ -491,4 +491,12 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
         gpu_bytes=dict(weights=eng.w.nbytes, kv_caches=eng.cache_bytes,
                        workspace_and_other=used and used - eng.w.nbytes - eng.cache_bytes,
                        total=used),
-        build_s=build_s, first_step_s=first_s)
+        build_s=build_s, first_step_s=first_s, kernel_cache=_kernel_cache())
+
+
+def _kernel_cache() -> str | None:
+    """Where this process's compiled kernels are kept (kcache.py; None: off, or the simulator,
+    which compiles nothing): a first chunk or step of seconds, not a minute, was loaded."""
+    from ..kernels import kcache
+
+    return None if device.SIMULATOR else kcache.directory()

@@ -61,6 +61,12 @@ def cache_root() -> str | None:
     return os.path.abspath(os.path.expanduser(v))
 
 
+def directory() -> str | None:
+    """This process's cache directory (made when a kernel is first saved), or None (off)."""
+    root = cache_root()
+    return None if root is None else os.path.join(root, source_hash())
+
+
 @functools.lru_cache(maxsize=None)
 def source_hash(package: str = _PACKAGE) -> str:
     """16 hex digits over every .py file of ``package`` (paths and bytes), numba-cuda's, numba's
@@ -161,7 +167,7 @@ def attach(disp, fn, options: dict) -> None:
     if root is None:
         return
     try:
-        disp._cache = _kernel_cache_class()(disp.py_func, os.path.join(root, source_hash()),
+        disp._cache = _kernel_cache_class()(disp.py_func, directory(),
                                             function_identity(fn, options))
     except Exception as e:  # a closure value it cannot describe
         _warn_once(f"{fn.__qualname__} not cached", e)

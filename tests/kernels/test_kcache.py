@@ -86,6 +86,9 @@ def test_cache_root_from_the_environment(monkeypatch, tmp_path):
         assert kcache.cache_root() == str(tmp_path / "pocketfm" / "kernels")
     monkeypatch.delenv("POCKETFM_KERNEL_CACHE")
     assert kcache.cache_root() == str(tmp_path / "pocketfm" / "kernels")
+    assert kcache.directory() == str(tmp_path / "pocketfm" / "kernels" / kcache.source_hash())
+    monkeypatch.setenv("POCKETFM_KERNEL_CACHE", "off")
+    assert kcache.directory() is None
     monkeypatch.setenv("POCKETFM_KERNEL_CACHE", str(tmp_path / "k"))
     assert kcache.cache_root() == str(tmp_path / "k")
 
