@@ -79,10 +79,10 @@ def index_key_bytes(index_dim: int) -> int:
 EXPERT_TILE = 32  # rows of one expert per tile (mma's narrow codes kernel: 32 tokens)
 
 
-def expert_tiles_capacity(rows: int, n_experts: int) -> int:
-    """Columns expert_order's tiles need for ``rows`` rows: sum over experts of
-    ceil(count / EXPERT_TILE) <= rows / EXPERT_TILE + (experts with rows)."""
-    return -(-rows // EXPERT_TILE) + min(n_experts, rows)
+def expert_tiles_capacity(rows: int, n_experts: int, tile: int = EXPERT_TILE) -> int:
+    """Columns expert_order's tiles of ``tile`` rows need for ``rows`` rows: sum over experts
+    of ceil(count / tile) <= rows / tile + (experts with rows)."""
+    return -(-rows // tile) + min(n_experts, rows)
 
 
 # ---- the KV caches ------------------------------------------------------------------------------

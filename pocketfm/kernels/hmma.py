@@ -48,6 +48,8 @@ thread's 32 loads of a stage go out together (one round trip to L2 a stage, not 
 8-token MMA tiles with no row in a pass are skipped (an expert's tile holds ~24 rows at 1,024
 tokens); the K loop is built twice, with and without those branches, so a full tile has none.
 Indices into the weight planes and x are unsigned: Numba adds negative-index code otherwise.
+KERNELS_T64 (IQ2_XXS, for A/B) is 2 x 8 tiles a warp: 128 rows x 64 tokens a block, x staged
+128 columns at a time, over expert_order's 64-row tiles.
 
 In the simulator an MMA is emulated per warp (mma.py), and the float16 pair arithmetic in
 NumPy; sizes stay tiny there.
@@ -468,60 +470,68 @@ def prepare_x_swiglu(gate_up, weights, clamp: float, stream=0):
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
-@cuda.jit(device=True)
-def _stage_words(dst_h, dst_l, hrow, lrow, j, q, base, last, keep, nw, FULL):
-    """Words base + 4m (m < CH / 16) of a token's two limb rows into shared-memory row j. Loads
-    go out BATCH at a time before any store (a load then its store, 16 times over, was 16 round
-    trips to L2 a chunk) at constant offsets from one address; ``keep`` (all ones or zero)
-    zeroes entries not in this pass. A partial chunk (not FULL) clamps to word ``last`` and
-    zeroes the words past ``nw``."""
-    hv = cuda.local.array(BATCH, uint64)
-    lv = cuda.local.array(BATCH, uint64)
-    # word p of a K step goes to slot p / 2 (even p) or 4 + p / 2 (odd): lane c's two words
-    # (columns 8c ..) land in slots c and c + 4, so each fragment read is conflict-free. For
-    # word q + 4m that is slot sq + 8 (m / 2) + 2 (m % 2).
-    sq = (q >> uint32(1)) + uint32(4) * (q & uint32(1))
-    for m0 in range(0, CH // 16, BATCH):
-        for u in range(BATCH):
-            i = base + uint64(4 * (m0 + u))
-            if not FULL:
-                i = min(i, last)
-            hv[u], lv[u] = hrow[i], lrow[i]
-        for u in range(BATCH):
-            m = m0 + u
-            slot = sq + uint32(8 * (m >> 1) + 2 * (m & 1))
-            ok = keep
-            if not FULL and q + uint32(4 * m) >= nw:
-                ok = uint64(0)
-            dst_h[j, slot] = hv[u] & ok
-            dst_l[j, slot] = lv[u] & ok
+def _stager(ch: int, bn: int):
+    """_stage_x for ``ch`` staged columns and ``bn`` tokens a block (closure constants: the
+    local arrays' sizes and the loops' bounds are literals)."""
+    assert ch % 64 == 0 and (ch // 16) % BATCH == 0 and bn % 32 == 0 and THREADS == 128
 
+    @cuda.jit(device=True)
+    def _stage_words(dst_h, dst_l, hrow, lrow, j, q, base, last, keep, nw, FULL):
+        """Words base + 4m (m < ch / 16) of a token's two limb rows into shared-memory row j.
+        Loads go out BATCH at a time before any store (a load then its store, 16 times over,
+        was 16 round trips to L2 a chunk) at constant offsets from one address; ``keep`` (all
+        ones or zero) zeroes entries not in this pass. A partial chunk (not FULL) clamps to
+        word ``last`` and zeroes the words past ``nw``."""
+        hv = cuda.local.array(BATCH, uint64)
+        lv = cuda.local.array(BATCH, uint64)
+        # word p of a K step goes to slot p / 2 (even p) or 4 + p / 2 (odd): lane c's two words
+        # (columns 8c ..) land in slots c and c + 4, so each fragment read is conflict-free.
+        # For word q + 4m that is slot sq + 8 (m / 2) + 2 (m % 2).
+        sq = (q >> uint32(1)) + uint32(4) * (q & uint32(1))
+        for m0 in range(0, ch // 16, BATCH):
+            for u in range(BATCH):
+                i = base + uint64(4 * (m0 + u))
+                if not FULL:
+                    i = min(i, last)
+                hv[u], lv[u] = hrow[i], lrow[i]
+            for u in range(BATCH):
+                m = m0 + u
+                slot = sq + uint32(8 * (m >> 1) + 2 * (m & 1))
+                ok = keep
+                if not FULL and q + uint32(4 * m) >= nw:
+                    ok = uint64(0)
+                dst_h[j, slot] = hv[u] & ok
+                dst_l[j, slot] = lv[u] & ok
 
-@cuda.jit(device=True)
-def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
-    """The tile's x for columns [kc, kc + CH) into shared memory: the limbs' words (4 columns a
-    uint64) and (Q2_K) the super-block's Σx' words; zeros for entries not in this pass. Four
-    threads a token (thread q of a token: words q, q + 4, ..., so a token's 32 bytes are one
-    load)."""
-    tid = cuda.threadIdx.x
-    j, q = uint32(tid >> 2), uint32(tid & 3)
-    r = xr[j]
-    keep = ALL_ONES if r >= 0 else uint64(0)  # all ones for an entry in this pass (a select:
-    # 0 - 1 in uint64 wraps the same on a GPU, but NumPy warns of it in the simulator)
-    hrow, lrow = xh[max(r, 0)], xl[max(r, 0)]
-    nw = uint32(min(CH, K - kc) >> 2)
-    base = uint64(kc >> 2) + uint64(q)
-    last = uint64(kc >> 2) + uint64(nw - uint32(1))
-    if nw == CH // 4:
-        _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, True)
-    else:
-        _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, False)
-    if MINS:  # the super-block's 8 sum words (Q2_K: K is whole super-blocks)
-        srow = xsum[max(r, 0)]
-        i = uint64(kc >> 5) + uint64(2) * uint64(q)
-        v0, v1 = srow[i], srow[i + uint64(1)]
-        xm_s[j, uint32(2) * q] = v0 & keep
-        xm_s[j, uint32(2) * q + uint32(1)] = v1 & keep
+    @cuda.jit(device=True)
+    def _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS):
+        """The tile's x for columns [kc, kc + ch) into shared memory: the limbs' words (4
+        columns a uint64) and (Q2_K) the super-block's Σx' words; zeros for entries not in
+        this pass. Four threads a token (thread q of a token: words q, q + 4, ..., so a token's
+        32 bytes are one load), bn / 32 tokens a thread."""
+        tid = cuda.threadIdx.x
+        q = uint32(tid & 3)
+        nw = uint32(min(ch, K - kc) >> 2)
+        base = uint64(kc >> 2) + uint64(q)
+        last = uint64(kc >> 2) + uint64(nw - uint32(1))
+        for jj in range(bn // 32):
+            j = uint32(tid >> 2) + uint32(32 * jj)
+            r = xr[j]
+            keep = ALL_ONES if r >= 0 else uint64(0)  # all ones for an entry in this pass (a
+            # select: 0 - 1 in uint64 wraps the same on a GPU, but NumPy warns of it in the
+            # simulator)
+            hrow, lrow = xh[max(r, 0)], xl[max(r, 0)]
+            if nw == ch // 4:
+                _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, True)
+            else:
+                _stage_words(xh_s, xl_s, hrow, lrow, j, q, base, last, keep, nw, False)
+            if MINS:  # the super-block's 8 sum words (Q2_K: K is whole super-blocks)
+                srow = xsum[max(r, 0)]
+                i = uint64(kc >> 5) + uint64(2) * uint64(q)
+                v0, v1 = srow[i], srow[i + uint64(1)]
+                xm_s[j, uint32(2) * q] = v0 & keep
+                xm_s[j, uint32(2) * q + uint32(1)] = v1 & keep
+    return _stage_x
 
 
 @cuda.jit(device=True)
@@ -544,12 +554,19 @@ def _k_step(acc, q, a, b, h1, h2, l1, l2, xch):
     acc[q + 3] += b[4] * d3
 
 
-def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **opts):
+def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: int = NI,
+                 ch: int = CH, **opts):
     """The GEMM kernel for one code type; ``mi`` 16-row MMA tiles a warp (2 or 4: a block is
-    64·mi rows; every x fragment read from shared memory feeds 2·mi MMAs)."""
+    64·mi rows; every x fragment read from shared memory feeds 2·mi MMAs), ``ni`` 8-token
+    tiles a warp (4, or 8 with mi = 2: a block is 8·ni tokens, and each weight fragment made
+    feeds ni token tiles), ``ch`` columns of x staged at a time."""
     N_TAB = max(TAB, 1)
-    BMK, NACC = 64 * mi, mi * NI * 4
-    assert mi in (2, 4)
+    NI_, BN_, CH_ = ni, 8 * ni, ch
+    XW_, XM_W_ = ch // 4 + 4, max(ch // 32, 8)  # (Q2_K stages a super-block's sums: ch 256)
+    BMK, NACC = 64 * mi, mi * ni * 4
+    assert mi in (2, 4) and (ni == 4 or (ni == 8 and mi == 2 and not MINS))
+    assert ch == 256 or not MINS  # (the mins are a super-block's, staged with its columns)
+    _stage_x = _stager(ch, BN_)
 
     @cuda.jit(device=True)
     def steps(acc, r0, r1, r2, r3, planes, e, n0, n1, n2, n3, c, g, tab, kc, K, xh_s, xl_s,
@@ -557,7 +574,7 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
         """The K steps of the staged chunk at kc for the warp's 2 x 4 tiles; the next step's
         weight words (r0 .. r3, rows n0 .. n3) come back. Unless ALL, the 8-token tiles not in
         ``busy`` are skipped (a branch each: the kernel takes ALL when all are busy)."""
-        for k0 in range(kc, min(kc + CH, K), KT):
+        for k0 in range(kc, min(kc + CH_, K), KT):
             f0, f1 = frag(r0, tab, c, k0), frag(r1, tab, c, k0)
             f2, f3 = frag(r2, tab, c, k0), frag(r3, tab, c, k0)
             if k0 + KT < K:
@@ -566,20 +583,20 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
                 r2 = load(planes, e, n2, k0 + KT, c)
                 r3 = load(planes, e, n3, k0 + KT, c)
             kw = (k0 - kc) >> 2
-            for ni in range(NI):
+            for ni in range(NI_):
                 if ALL or (busy >> ni) & 1:
                     jb = ni * 8 + g
                     h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
                     l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
                     _k_step(acc, ni * 4, f0, f1, h1, h2, l1, l2, xch)
-                    _k_step(acc, (NI + ni) * 4, f2, f3, h1, h2, l1, l2, xch)
+                    _k_step(acc, (NI_ + ni) * 4, f2, f3, h1, h2, l1, l2, xch)
         return r0, r1, r2, r3
 
     @cuda.jit(device=True)
     def steps4(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy, xch, ALL):
         """As steps for 4 x 4 tiles: rows nn[0 .. 7], their next weight words rr[0 .. 7]."""
         r0, r1, r2, r3, r4, r5, r6, r7 = rr
-        for k0 in range(kc, min(kc + CH, K), KT):
+        for k0 in range(kc, min(kc + CH_, K), KT):
             f0, f1 = frag(r0, tab, c, k0), frag(r1, tab, c, k0)
             f2, f3 = frag(r2, tab, c, k0), frag(r3, tab, c, k0)
             f4, f5 = frag(r4, tab, c, k0), frag(r5, tab, c, k0)
@@ -665,10 +682,10 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
         s0 = xs[uint32(r0) // uint32(x_div)] if r0 >= 0 else float32(0)
         s1 = xs[uint32(r1) // uint32(x_div)] if r1 >= 0 else float32(0)
         _store_quad(out, acc, ni * 4, na, r0, s0, r1, s1, N)
-        _store_quad(out, acc, (NI + ni) * 4, na + 16, r0, s0, r1, s1, N)
+        _store_quad(out, acc, (NI_ + ni) * 4, na + 16, r0, s0, r1, s1, N)
         if mi == 4:
-            _store_quad(out, acc, (2 * NI + ni) * 4, na + 32, r0, s0, r1, s1, N)
-            _store_quad(out, acc, (3 * NI + ni) * 4, na + 48, r0, s0, r1, s1, N)
+            _store_quad(out, acc, (2 * NI_ + ni) * 4, na + 32, r0, s0, r1, s1, N)
+            _store_quad(out, acc, (3 * NI_ + ni) * 4, na + 48, r0, s0, r1, s1, N)
 
     @cuda.jit(device=True)
     def _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy, xch, ALL):
@@ -700,43 +717,44 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
         g, c = lane >> 2, lane & 3
         n_w = cuda.blockIdx.x * BMK + warp * 16 * mi  # the warp's first weight row
         tab = cuda.shared.array(N_TAB, uint64)
-        rows = cuda.shared.array(BN, int32)
-        exps = cuda.shared.array(BN, int32)
-        xr = cuda.shared.array(BN, int32)  # x row of each tile entry in this pass, -1: none
-        xh_s = cuda.shared.array((BN, XW), uint64)  # the chunk's hi limb words
-        xl_s = cuda.shared.array((BN, XW), uint64)  # its lo limb words
-        xm_s = cuda.shared.array((BN, XM_W), uint64)  # its super-block's Σx' words (Q2_K)
+        rows = cuda.shared.array(BN_, int32)
+        exps = cuda.shared.array(BN_, int32)
+        xr = cuda.shared.array(BN_, int32)  # x row of each tile entry in this pass, -1: none
+        xh_s = cuda.shared.array((BN_, XW_), uint64)  # the chunk's hi limb words
+        xl_s = cuda.shared.array((BN_, XW_), uint64)  # its lo limb words
+        xm_s = cuda.shared.array((BN_, XM_W_), uint64)  # its super-block's Σx' words (Q2_K)
         xch = cuda.shared.array(XCH, np.int64)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = float32(0)
         for i in range(tid, TAB, THREADS):
             tab[i] = tab_g[i]
-        _tile_rows(rows, exps, ids, order, tiles, per_token, cuda.blockIdx.y * BN, out.shape[0])
+        _tile_rows(rows, exps, ids, order, tiles, per_token, cuda.blockIdx.y * BN_,
+                   out.shape[0])
         e_prev = -1
         while True:
             e = _next_expert(exps, e_prev)
             if e == 1 << 30:
                 break
-            for j in range(tid, BN, THREADS):
+            for j in range(tid, BN_, THREADS):
                 r = rows[j]
                 xr[j] = r // x_div if r >= 0 and exps[j] == e else -1
             cuda.syncthreads()
             # the 8-token MMA tiles with an entry in this pass (an expert's tile holds ~24 of
             # 32 rows at 1,024 tokens): the others' MMAs, x reads and multiply-adds are skipped
             busy = 0
-            for j in range(BN):
+            for j in range(BN_):
                 if xr[j] >= 0:
                     busy |= 1 << (j >> 3)
             # the weight words are loaded a K step ahead, into registers
             nn, rr = _first(planes, e, n_w, g, c, N)
-            for kc in range(0, K, CH):
+            for kc in range(0, K, CH_):
                 if MINS:  # (loads issued before the staging's, used after its barrier)
                     mw = _mins_loads(planes, e, nn, kc, c)
                 cuda.syncthreads()  # xr is set; the last chunk's x is no longer read
                 _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS)
                 cuda.syncthreads()
-                if busy == (1 << NI) - 1:  # every tile busy: no per-tile branches
+                if busy == (1 << NI_) - 1:  # every tile busy: no per-tile branches
                     if MINS:
                         _mins(acc, mw, xm_s, g, c, busy, xch, True)
                     rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy,
@@ -752,7 +770,13 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, **op
         _store_col(out, acc, 1, rows, xs, x_div, n_w + g, c, N)
         _store_col(out, acc, 2, rows, xs, x_div, n_w + g, c, N)
         _store_col(out, acc, 3, rows, xs, x_div, n_w + g, c, N)
-    k.__name__ = k.__qualname__ = f"_gemm_{name}_hmma" + ("" if mi == MI else f"_mi{mi}")
+        if NI_ == 8:
+            _store_col(out, acc, 4, rows, xs, x_div, n_w + g, c, N)
+            _store_col(out, acc, 5, rows, xs, x_div, n_w + g, c, N)
+            _store_col(out, acc, 6, rows, xs, x_div, n_w + g, c, N)
+            _store_col(out, acc, 7, rows, xs, x_div, n_w + g, c, N)
+    k.__name__ = k.__qualname__ = (f"_gemm_{name}_hmma" + ("" if mi == MI else f"_mi{mi}")
+                                   + ("" if ni == NI else f"_t{8 * ni}"))
     return kernel(**opts)(k)
 
 
@@ -785,6 +809,16 @@ _KERNELS = {qt: _hmma_kernel(*spec, mi=TILES_MI[qt], max_registers=MAX_REGISTERS
 # the 2-tile build, for A/B (CI compiles and tests both)
 KERNELS_2 = {qt: _hmma_kernel(*spec, mi=2, max_registers=MAX_REGISTERS_2[qt])
              for qt, spec in _SPECS.items()}
+# 64 tokens a block (2 row tiles x 8 token tiles a warp, x staged 128 columns at a time: the
+# 32-token build's shared memory), for A/B on the routed gate+up: Nsight's samples put half of
+# its warps' stalls in making the IQ2_XXS grid rows into float16 codes, issue-bound (2026-12-05
+# (h)); here each row made feeds 8 token tiles, not 4 (an expert with 33-64 rows of a chunk,
+# most at 2,048 tokens, is one tile, not two), for twice the x fragment reads an MMA. ptxas:
+# 216 registers uncapped, 168 without spill (3 blocks an SM, 12 warps, against the 32-token
+# build's 8), 128 spills 168 bytes. Not yet measured on a GPU; gemm_hmma_prepared(...,
+# tokens=64) over expert_order(..., tile=64)'s tiles.
+KERNELS_T64 = {GGMLType.IQ2_XXS: _hmma_kernel(*_SPECS[GGMLType.IQ2_XXS], mi=2, ni=8, ch=128,
+                                              max_registers=168)}
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -843,9 +877,10 @@ def _kernel_for(qtype: int, N: int, gy: int):
 
 
 def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0, tiles=None,
-                       x_div: int = 1) -> None:
+                       x_div: int = 1, tokens: int = BN) -> None:
     """out float32 [R, N] = W · x[r // x_div] (or W[ids[r]] · ...) on x made by prepare_x /
-    prepare_x_swiglu; ``order`` / ``tiles`` as in mma.gemm_mma (expert_order's)."""
+    prepare_x_swiglu; ``order`` / ``tiles`` as in mma.gemm_mma (expert_order's, of at most
+    ``tokens`` rows each). ``tokens`` 64: KERNELS_T64's build (A/B)."""
     R, N, K = out.shape[0], w.rows, w.cols
     xh, xl, xsum, xs = x_limbs
     wh, wl, ws = (x_limbs.words if isinstance(x_limbs, XLimbs) else
@@ -857,8 +892,14 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
     one = _dummies()[0]
     if per_token and order is None:
         order = _device_const(f"mma_identity_{R}", np.arange(R, dtype=np.int32))
-    gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
-    kern, mi = _kernel_for(w.qtype, N, gy)
+    if tokens == BN:
+        gy = cdiv(R, BN) if tiles is None else tiles.shape[1]
+        kern, mi = _kernel_for(w.qtype, N, gy)
+    else:
+        if tokens != 64 or w.qtype not in KERNELS_T64:
+            raise ValueError(f"gemm_hmma: no {tokens}-token build for {GGMLType(w.qtype).name}")
+        gy = cdiv(R, tokens) if tiles is None else tiles.shape[1]
+        kern, mi = KERNELS_T64[w.qtype], 2
     kern[(cdiv(N, 64 * mi), gy), THREADS, stream](
         out, _planes(w), wh, wl, ws, xs,
         ids if per_token else one, order if per_token else one,
@@ -867,10 +908,10 @@ def gemm_hmma_prepared(out, w: QWeight, x_limbs, ids=None, order=None, stream=0,
 
 
 def gemm_hmma(out, w: QWeight, x, ids=None, order=None, stream=0, tiles=None,
-              x_div: int = 1) -> None:
+              x_div: int = 1, tokens: int = BN) -> None:
     """out float32 [R, N] = W · x[r // x_div], or W[ids[r]] · x[r // x_div]; x float32 [R', K].
     ``x_div`` > 1: rows share x (the MoE's k (token, expert) rows of a token: no copies)."""
-    gemm_hmma_prepared(out, w, prepare_x(x, stream), ids, order, stream, tiles, x_div)
+    gemm_hmma_prepared(out, w, prepare_x(x, stream), ids, order, stream, tiles, x_div, tokens)
 
 
 def gemm_hmma_ref(out, w: QWeight, x, ids=None, order=None, tiles=None, x_div: int = 1) -> None:
@@ -920,7 +961,7 @@ PTX_SIGNATURES = [
     (kern, f"void(float32[:, ::1], {_PLANES[qt]}, uint64[:, ::1], uint64[:, ::1], "
            "uint64[:, ::1], float32[::1], int32[::1], int32[::1], int32[:, ::1], uint64[::1], "
            "int64, int64, int64, int64)")
-    for kernels in (_KERNELS, KERNELS_2) for qt, kern in kernels.items()] + [
+    for kernels in (_KERNELS, KERNELS_2, KERNELS_T64) for qt, kern in kernels.items()] + [
     (_prep_x, "void(float16[:, ::1], float16[:, ::1], float16[:, ::1], float32[::1], "
               "float32[:, ::1], int32[::1], float32)"),
     (_prep_x_swiglu, "void(float16[:, ::1], float16[:, ::1], float16[:, ::1], float32[::1], "
@@ -995,4 +1036,24 @@ def bench_cases(stream) -> list[BenchCase]:
         for how, fn in (("gemm_hmma", f16), ("gemm_mma (bf16 codes)", bf16)):
             case(f"{how} expert tiles {spec.name} experts {T}x{k} rows x {N}x{K}", fn, nb,
                  2 * T * k * N * K, host, xh, out, ids_h, x_div, rows=12)
+    # the routed gate+up of a 2,048-token chunk (~48 rows an expert): the 32-token build over
+    # 32-row tiles against KERNELS_T64 over 64-row tiles
+    T2 = 2048
+    ids2_h = np.stack([rng.choice(E, k, replace=False) for _ in range(T2)]).astype(np.int32)
+    ids2 = cuda.to_device(ids2_h.ravel(), stream=stream)
+    order2 = cuda.device_array(T2 * k, np.int32, stream=stream)
+    host, dev = gemv_lowbit._bench_weight(GGMLType.IQ2_XXS, E, 4096, 4096, rng, distinct=8)
+    xh = rng.standard_normal((T2, 4096)).astype(np.float32)
+    x = cuda.to_device(xh, stream=stream)
+    out = cuda.device_array((T2 * k, 4096), np.float32, stream=stream)
+    nb = len(np.unique(ids2_h)) * dev.nbytes // E + 4 * T2 * k * 2 * 4096
+    for tok in (BN, 64):
+        tl = cuda.device_array((2, expert_tiles_capacity(T2 * k, E, tok)), np.int32,
+                               stream=stream)
+
+        def fn(tok=tok, tl=tl):
+            expert_order(order2, ids2, E, stream, tiles=tl, tile=tok)
+            gemm_hmma(out, dev, x, ids2, order2, stream, tiles=tl, x_div=k, tokens=tok)
+        case(f"gemm_hmma {tok}-token tiles iq2_xxs experts {T2}x{k} rows x 4096x4096", fn, nb,
+             2 * T2 * k * 4096 * 4096, host, xh, out, ids2_h.ravel(), k, rows=12)
     return cases

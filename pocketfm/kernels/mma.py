@@ -769,33 +769,35 @@ def _expert_order(order, ids, n_experts, tiles, tile_rows):
         order[cuda.atomic.add(start, ids[i], 1)] = i
 
 
-def expert_order_ref(order, ids, n_experts, tiles=None) -> None:
+def expert_order_ref(order, ids, n_experts, tiles=None, tile: int = EXPERT_TILE) -> None:
     """NumPy reference: the rows sorted by expert, stably (the kernel's order inside an
-    expert's group may differ), and the expert-aligned tiles of EXPERT_TILE rows."""
+    expert's group may differ), and the expert-aligned tiles of ``tile`` rows."""
     order[:] = np.argsort(np.asarray(ids), kind="stable").astype(np.int32)
     if tiles is not None:
         counts = np.bincount(np.asarray(ids), minlength=n_experts)
         starts = np.concatenate([[0], np.cumsum(counts)])
-        spans = [(starts[e] + j, min(starts[e + 1], starts[e] + j + EXPERT_TILE))
-                 for e in range(n_experts) for j in range(0, counts[e], EXPERT_TILE)]
+        spans = [(starts[e] + j, min(starts[e + 1], starts[e] + j + tile))
+                 for e in range(n_experts) for j in range(0, counts[e], tile)]
         tiles[:] = 0
         if spans:
             tiles[:, :len(spans)] = np.array(spans, np.int32).T
 
 
-def expert_order(order, ids, n_experts: int, stream=0, tiles=None) -> None:
+def expert_order(order, ids, n_experts: int, stream=0, tiles=None,
+                 tile: int = EXPERT_TILE) -> None:
     """order int32 [R] (device) <- the rows of ids int32 [R] grouped by expert, increasing;
-    ``tiles`` int32 [2, expert_tiles_capacity(R, n_experts)]: also the tiles of at most
-    EXPERT_TILE rows of one expert each, for gemm_mma(..., tiles=)."""
+    ``tiles`` int32 [2, expert_tiles_capacity(R, n_experts, tile)]: also the tiles of at most
+    ``tile`` rows of one expert each, for gemm_mma(..., tiles=) (EXPERT_TILE) or hmma's
+    64-token build (64)."""
     if n_experts > MAX_E:
         raise ValueError(f"expert_order counts at most {MAX_E} experts, got {n_experts}")
     R = ids.shape[0]
     if tiles is not None:
-        need = expert_tiles_capacity(R, n_experts)
+        need = expert_tiles_capacity(R, n_experts, tile)
         assert tiles.shape[0] == 2 and tiles.shape[1] >= need, (tiles.shape, need)
     _expert_order[1, 64 if SIMULATOR else 1024, stream](
         order, ids, n_experts, _no_tiles() if tiles is None else tiles,
-        0 if tiles is None else EXPERT_TILE)
+        0 if tiles is None else tile)
 
 
 # ---- launcher ------------------------------------------------------------------------------------

@@ -148,6 +148,56 @@ def test_expert_rows_with_shared_x(name, aligned, tiles_mi):
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
+def test_64_token_build_dense():
+    # KERNELS_T64: 128 rows x 64 tokens a block, x staged 128 columns at a time. 72 rows (a
+    # partial row block), 77 tokens (a full 64-token block: no per-tile branches; then 13: two
+    # busy 8-token tiles of 8), K = 512 (four stages)
+    rng = fresh_rng()
+    qtype, N, T, K = GGMLType.IQ2_XXS, 72, 77, 512
+    w = _weight(qtype, 1, N, K, rng)
+    x = _x(rng, T, K)
+    ref = np.empty((T, N))
+    hmma.gemm_hmma_ref(ref, w, x)
+    out = poisoned((T, N))
+    hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x), tokens=64)
+    assert rel_err(out.copy_to_host(), ref) <= BOUND
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["tiles", "order"])
+def test_64_token_build_expert_rows(aligned):
+    # 40 tokens through both of E = 2 experts (x shared by a token's 2 rows): with
+    # expert_order's 64-row tiles each expert's 40 rows are one block (5 busy token tiles);
+    # without tiles a block's 64 entries of order span both experts (a pass each)
+    rng = fresh_rng()
+    qtype, E, N, K, T, k = GGMLType.IQ2_XXS, 2, 20, 256, 40, 2
+    w = _weight(qtype, E, N, K, rng)
+    x = _x(rng, T, K)
+    ids = np.stack([rng.permutation(E) for _ in range(T)]).astype(np.int32).ravel()
+    ref = np.empty((T * k, N))
+    hmma.gemm_hmma_ref(ref, w, x, ids, x_div=k)
+    d_ids = cuda.to_device(ids)
+    order = cuda.to_device(np.zeros(T * k, np.int32))
+    tiles = None
+    if aligned:
+        assert expert_tiles_capacity(T * k, E, 64) == 4
+        tiles = cuda.to_device(np.full((2, 4), 7, np.int32))
+    expert_order(order, d_ids, E, tiles=tiles, tile=64)
+    if aligned:
+        np.testing.assert_array_equal(tiles.copy_to_host(), [[0, 40, 0, 0], [40, 80, 0, 0]])
+    out = poisoned((T * k, N))
+    hmma.gemm_hmma(out, w.to_device(), cuda.to_device(x), d_ids, order, tiles=tiles, x_div=k,
+                   tokens=64)
+    assert rel_err(out.copy_to_host(), ref) <= BOUND
+
+
+def test_64_token_build_only_for_iq2_xxs():
+    rng = fresh_rng()
+    w = _weight(GGMLType.Q8_0, 1, 8, 64, rng)
+    out = cuda.device_array((3, 8), np.float32)
+    with pytest.raises(ValueError, match="no 64-token build for Q8_0"):
+        hmma.gemm_hmma(out, w.to_device(), cuda.to_device(_x(rng, 3, 64)), tokens=64)
+
+
 def test_swiglu_preparation_matches_swiglu_then_gemm():
     rng = fresh_rng()
     R, F, N = 7, 256, 20
