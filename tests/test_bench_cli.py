@@ -72,7 +72,7 @@ def test_bench_chunk_flags_need_a_prefill(flag):
                                    "again)"], err
 
 
-def test_prefill_variants_time_the_chunk_and_restore_the_settings(micro_path):
+def test_prefill_variants_time_the_chunk_and_restore_the_settings(micro_path, monkeypatch):
     """`bench --prefill-ab`'s timing in the simulator (one variant, one round: a simulated
     chunk costs seconds): every variant names settings the prefill has, each variant's time
     comes back, and the prefill's settings are as they were after it."""
@@ -88,6 +88,11 @@ def test_prefill_variants_time_the_chunk_and_restore_the_settings(micro_path):
     r = time_prefill_variants(pf, 0, 2, rounds=1, names=["q norm + RoPE as launches"])
     assert list(r) == ["q norm + RoPE as launches"] and r[list(r)[0]]["best_s"] > 0
     assert pf.fold_q_norm_rope and pf.branches and pf.branch_sites == set(BRANCH_SITES)
+    # the 64-token candidate is off unless POCKETFM_HMMA_T64=1 turns it on for a run
+    assert pf.routed_tokens == 32 and variants["routed gate+up in 64-token tiles"] == dict(
+        routed_tokens=64)
+    monkeypatch.setenv("POCKETFM_HMMA_T64", "1")
+    assert eng.prefill(3).routed_tokens == 64
 
 
 def test_bench_profiling_is_refused_with_kv_swap():

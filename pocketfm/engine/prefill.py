@@ -28,6 +28,7 @@ int32 table copied to the device per chunk. Buffers are allocated once, for the 
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import contextmanager
 
@@ -73,6 +74,9 @@ class ChunkPrefill:
         self.branches = True  # False: everything on the main stream (launch-by-launch timing)
         self.branch_sites = frozenset(BRANCH_SITES)  # which of them branch (an A/B: a subset)
         self.fold_q_norm_rope = True  # False: q's norm and RoPE as launches (an A/B)
+        # 64: the routed gate+up on hmma.py's 64-token build over 64-row expert tiles (an
+        # A/B, not yet measured: POCKETFM_HMMA_T64=1 or bench --prefill-ab)
+        self.routed_tokens = 64 if os.environ.get("POCKETFM_HMMA_T64", "") == "1" else 32
         self._alloc()
         self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
         self._mix_views = {}  # T -> hc_pre's mix workspace for T tokens (a view of hc_mix)
@@ -103,8 +107,9 @@ class ChunkPrefill:
 
     @contextmanager
     def settings(self, **values):
-        """These attributes (branches, branch_sites, fold_q_norm_rope) set while inside, as
-        they were after it (an A/B of the chunk; an unknown name raises AttributeError)."""
+        """These attributes (branches, branch_sites, fold_q_norm_rope, routed_tokens) set
+        while inside, as they were after it (an A/B of the chunk; an unknown name raises
+        AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -371,8 +376,15 @@ class ChunkPrefill:
             order, tiles = self.route_order[:Tk], self.route_tiles
             expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
         if grouped and hmma.takes(L.gate_up) and hmma.takes(L.down):
+            gu_tiles, gu_tokens = tiles, hmma.BN
+            if self.routed_tokens == 64 and L.gate_up.qtype in hmma.KERNELS_T64:
+                # the same grouping (tiles are spans of each expert's positions in order,
+                # which hold whatever the order inside a group: the 32-row tiles stay valid)
+                gu_tiles, gu_tokens = self.route_tiles64, 64
+                expert_order(order, flat_ids, L.gate_up.experts, s, tiles=gu_tiles, tile=64)
             xg = xv if xv is not None else hmma.prepare_x(v, s)
-            hmma.gemm_hmma_prepared(gu, L.gate_up, xg, flat_ids, order, s, tiles=tiles, x_div=k)
+            hmma.gemm_hmma_prepared(gu, L.gate_up, xg, flat_ids, order, s, tiles=gu_tiles,
+                                    x_div=k, tokens=gu_tokens)
             if xv is not None:  # (the shared gate|up read xv: before the SwiGLU's x reuses it)
                 self.side_a.join(s)
             h_limbs = hmma.prepare_x_swiglu(gu, w.reshape(Tk), cfg.swiglu_clamp[i], s)
