@@ -329,7 +329,7 @@ def inspect(path, all_keys):
 @click.option("--prefill-ab", is_flag=True,
               help="With --prefill: then time its last chunk again under variants that each "
                    "undo one landed change (one stream, each side-stream branch off, q's norm "
-                   "and RoPE as launches) or try a candidate (the routed gate+up in 64-token "
+                   "and RoPE as launches) or try a candidate (the routed experts in 64-token "
                    "tiles), in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "

@@ -74,8 +74,8 @@ class ChunkPrefill:
         self.branches = True  # False: everything on the main stream (launch-by-launch timing)
         self.branch_sites = frozenset(BRANCH_SITES)  # which of them branch (an A/B: a subset)
         self.fold_q_norm_rope = True  # False: q's norm and RoPE as launches (an A/B)
-        # 64: the routed gate+up on hmma.py's 64-token build over 64-row expert tiles (an
-        # A/B, not yet measured: POCKETFM_HMMA_T64=1 or bench --prefill-ab)
+        # 64: the routed gate+up and down on hmma.py's 64-token build over 64-row expert tiles
+        # (an A/B, not yet measured: POCKETFM_HMMA_T64=1 or bench --prefill-ab)
         self.routed_tokens = 64 if os.environ.get("POCKETFM_HMMA_T64", "") == "1" else 32
         self._alloc()
         self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
@@ -376,19 +376,24 @@ class ChunkPrefill:
             order, tiles = self.route_order[:Tk], self.route_tiles
             expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
         if grouped and hmma.takes(L.gate_up) and hmma.takes(L.down):
-            gu_tiles, gu_tokens = tiles, hmma.BN
-            if self.routed_tokens == 64 and L.gate_up.qtype in hmma.KERNELS_T64:
-                # the same grouping (tiles are spans of each expert's positions in order,
-                # which hold whatever the order inside a group: the 32-row tiles stay valid)
-                gu_tiles, gu_tokens = self.route_tiles64, 64
-                expert_order(order, flat_ids, L.gate_up.experts, s, tiles=gu_tiles, tile=64)
+            gu64, dn64 = (self.routed_tokens == 64 and m.qtype in hmma.KERNELS_T64
+                          for m in (L.gate_up, L.down))
+            if gu64 or dn64:
+                # the same grouping again, into 64-row tiles (tiles are spans of each expert's
+                # positions in order, whatever the order inside a group: the 32-row ones stay
+                # valid)
+                expert_order(order, flat_ids, L.gate_up.experts, s, tiles=self.route_tiles64,
+                             tile=64)
             xg = xv if xv is not None else hmma.prepare_x(v, s)
+            gu_tiles, gu_tokens = (self.route_tiles64, 64) if gu64 else (tiles, hmma.BN)
             hmma.gemm_hmma_prepared(gu, L.gate_up, xg, flat_ids, order, s, tiles=gu_tiles,
                                     x_div=k, tokens=gu_tokens)
             if xv is not None:  # (the shared gate|up read xv: before the SwiGLU's x reuses it)
                 self.side_a.join(s)
             h_limbs = hmma.prepare_x_swiglu(gu, w.reshape(Tk), cfg.swiglu_clamp[i], s)
-            hmma.gemm_hmma_prepared(down, L.down, h_limbs, flat_ids, order, s, tiles=tiles)
+            dn_tiles, dn_tokens = (self.route_tiles64, 64) if dn64 else (tiles, hmma.BN)
+            hmma.gemm_hmma_prepared(down, L.down, h_limbs, flat_ids, order, s, tiles=dn_tiles,
+                                    tokens=dn_tokens)
         else:
             broadcast_rows(x_rep, v, s, threads=nt)
             if grouped:

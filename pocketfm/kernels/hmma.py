@@ -48,8 +48,8 @@ thread's 32 loads of a stage go out together (one round trip to L2 a stage, not 
 8-token MMA tiles with no row in a pass are skipped (an expert's tile holds ~24 rows at 1,024
 tokens); the K loop is built twice, with and without those branches, so a full tile has none.
 Indices into the weight planes and x are unsigned: Numba adds negative-index code otherwise.
-KERNELS_T64 (IQ2_XXS, for A/B) is 2 x 8 tiles a warp: 128 rows x 64 tokens a block, x staged
-128 columns at a time, over expert_order's 64-row tiles.
+KERNELS_T64 (IQ2_XXS and Q2_K, for A/B) is 2 x 8 tiles a warp: 128 rows x 64 tokens a block,
+x staged 128 columns at a time, over expert_order's 64-row tiles.
 
 In the simulator an MMA is emulated per warp (mma.py), and the float16 pair arithmetic in
 NumPy; sizes stay tiny there.
@@ -562,10 +562,9 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: 
     feeds ni token tiles), ``ch`` columns of x staged at a time."""
     N_TAB = max(TAB, 1)
     NI_, BN_, CH_ = ni, 8 * ni, ch
-    XW_, XM_W_ = ch // 4 + 4, max(ch // 32, 8)  # (Q2_K stages a super-block's sums: ch 256)
+    XW_, XM_W_ = ch // 4 + 4, 8  # (Q2_K: a super-block's 16 sums, staged with its first ch)
     BMK, NACC = 64 * mi, mi * ni * 4
-    assert mi in (2, 4) and (ni == 4 or (ni == 8 and mi == 2 and not MINS))
-    assert ch == 256 or not MINS  # (the mins are a super-block's, staged with its columns)
+    assert mi in (2, 4) and (ni == 4 or (ni == 8 and mi == 2)) and ch in (128, 256)
     _stage_x = _stager(ch, BN_)
 
     @cuda.jit(device=True)
@@ -633,7 +632,7 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: 
             jb = ni * 8 + g
             hw, lw = xm_s[jb, 2 * c], xm_s[jb, 2 * c + 1]
             _q2_k_mins_tile(acc, ni * 4, mw[0], mw[1], hw, lw, xch)
-            _q2_k_mins_tile(acc, (NI + ni) * 4, mw[2], mw[3], hw, lw, xch)
+            _q2_k_mins_tile(acc, (NI_ + ni) * 4, mw[2], mw[3], hw, lw, xch)
             if mi == 4:
                 _q2_k_mins_tile(acc, (2 * NI + ni) * 4, mw[4], mw[5], hw, lw, xch)
                 _q2_k_mins_tile(acc, (3 * NI + ni) * 4, mw[6], mw[7], hw, lw, xch)
@@ -645,6 +644,11 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: 
         _mins_col(acc, 1, mw, xm_s, g, c, busy, xch, ALL)
         _mins_col(acc, 2, mw, xm_s, g, c, busy, xch, ALL)
         _mins_col(acc, 3, mw, xm_s, g, c, busy, xch, ALL)
+        if NI_ == 8:
+            _mins_col(acc, 4, mw, xm_s, g, c, busy, xch, ALL)
+            _mins_col(acc, 5, mw, xm_s, g, c, busy, xch, ALL)
+            _mins_col(acc, 6, mw, xm_s, g, c, busy, xch, ALL)
+            _mins_col(acc, 7, mw, xm_s, g, c, busy, xch, ALL)
 
     @cuda.jit(device=True)
     def _mins_loads(planes, e, nn, kc, c):
@@ -748,19 +752,23 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: 
                     busy |= 1 << (j >> 3)
             # the weight words are loaded a K step ahead, into registers
             nn, rr = _first(planes, e, n_w, g, c, N)
+            if MINS and CH_ != 256:  # (defined on every path: set again below)
+                mw = _mins_loads(planes, e, nn, 0, c)
             for kc in range(0, K, CH_):
-                if MINS:  # (loads issued before the staging's, used after its barrier)
+                # Q2_K: a super-block's mins with its first stage (every stage when ch is 256)
+                sb = MINS and (CH_ == 256 or (kc & 255) == 0)
+                if MINS and sb:  # (loads issued before the staging's, used after its barrier)
                     mw = _mins_loads(planes, e, nn, kc, c)
                 cuda.syncthreads()  # xr is set; the last chunk's x is no longer read
-                _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, MINS)
+                _stage_x(xh_s, xl_s, xm_s, xh, xl, xsum, xr, kc, K, sb)
                 cuda.syncthreads()
                 if busy == (1 << NI_) - 1:  # every tile busy: no per-tile branches
-                    if MINS:
+                    if MINS and sb:  # (MINS first: a constant, pruned)
                         _mins(acc, mw, xm_s, g, c, busy, xch, True)
                     rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy,
                                   xch, True)
                 else:
-                    if MINS:
+                    if MINS and sb:  # (MINS first: a constant, pruned)
                         _mins(acc, mw, xm_s, g, c, busy, xch, False)
                     rr = _k_chunk(acc, rr, planes, e, nn, c, g, tab, kc, K, xh_s, xl_s, busy,
                                   xch, False)
@@ -810,15 +818,18 @@ _KERNELS = {qt: _hmma_kernel(*spec, mi=TILES_MI[qt], max_registers=MAX_REGISTERS
 KERNELS_2 = {qt: _hmma_kernel(*spec, mi=2, max_registers=MAX_REGISTERS_2[qt])
              for qt, spec in _SPECS.items()}
 # 64 tokens a block (2 row tiles x 8 token tiles a warp, x staged 128 columns at a time: the
-# 32-token build's shared memory), for A/B on the routed gate+up: Nsight's samples put half of
-# its warps' stalls in making the IQ2_XXS grid rows into float16 codes, issue-bound (2026-12-05
-# (h)); here each row made feeds 8 token tiles, not 4 (an expert with 33-64 rows of a chunk,
-# most at 2,048 tokens, is one tile, not two), for twice the x fragment reads an MMA. ptxas:
-# 216 registers uncapped, 168 without spill (3 blocks an SM, 12 warps, against the 32-token
-# build's 8), 128 spills 168 bytes. Not yet measured on a GPU; gemm_hmma_prepared(...,
-# tokens=64) over expert_order(..., tile=64)'s tiles.
-KERNELS_T64 = {GGMLType.IQ2_XXS: _hmma_kernel(*_SPECS[GGMLType.IQ2_XXS], mi=2, ni=8, ch=128,
-                                              max_registers=168)}
+# 32-token build's shared memory), for A/B on the routed experts: Nsight's samples put half of
+# the IQ2_XXS gate+up's warp stalls in making its grid rows into float16 codes, issue-bound,
+# and a third of the Q2_K down's in loading its weights and x (2026-12-05 (h)); here each
+# weight word loaded and made feeds 8 token tiles, not 4 (an expert with 33-64 rows of a
+# chunk, most at 2,048 tokens, is one tile, not two), for twice the x fragment reads an MMA.
+# Q2_K's mins go with each super-block's first stage. ptxas, IQ2_XXS: 216 registers uncapped,
+# 168 without spill (3 blocks an SM, 12 warps, against the 32-token build's 8), 128 spills 168
+# bytes. Not yet measured on a GPU; gemm_hmma_prepared(..., tokens=64) over
+# expert_order(..., tile=64)'s tiles.
+# Q2_K: 68 bytes of spill at 168 registers, none at 255 (254: 2 blocks an SM).
+KERNELS_T64 = {qt: _hmma_kernel(*_SPECS[qt], mi=2, ni=8, ch=128, max_registers=168)
+               for qt in (GGMLType.IQ2_XXS, GGMLType.Q2_K)}
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -1036,24 +1047,26 @@ def bench_cases(stream) -> list[BenchCase]:
         for how, fn in (("gemm_hmma", f16), ("gemm_mma (bf16 codes)", bf16)):
             case(f"{how} expert tiles {spec.name} experts {T}x{k} rows x {N}x{K}", fn, nb,
                  2 * T * k * N * K, host, xh, out, ids_h, x_div, rows=12)
-    # the routed gate+up of a 2,048-token chunk (~48 rows an expert): the 32-token build over
+    # the routed experts of a 2,048-token chunk (~48 rows an expert): the 32-token build over
     # 32-row tiles against KERNELS_T64 over 64-row tiles
     T2 = 2048
     ids2_h = np.stack([rng.choice(E, k, replace=False) for _ in range(T2)]).astype(np.int32)
     ids2 = cuda.to_device(ids2_h.ravel(), stream=stream)
     order2 = cuda.device_array(T2 * k, np.int32, stream=stream)
-    host, dev = gemv_lowbit._bench_weight(GGMLType.IQ2_XXS, E, 4096, 4096, rng, distinct=8)
-    xh = rng.standard_normal((T2, 4096)).astype(np.float32)
-    x = cuda.to_device(xh, stream=stream)
-    out = cuda.device_array((T2 * k, 4096), np.float32, stream=stream)
-    nb = len(np.unique(ids2_h)) * dev.nbytes // E + 4 * T2 * k * 2 * 4096
-    for tok in (BN, 64):
-        tl = cuda.device_array((2, expert_tiles_capacity(T2 * k, E, tok)), np.int32,
-                               stream=stream)
+    for qtype, N, K, x_div in ((GGMLType.IQ2_XXS, 4096, 4096, k), (GGMLType.Q2_K, 4096, 2048, 1)):
+        host, dev = gemv_lowbit._bench_weight(qtype, E, N, K, rng, distinct=8)
+        out = cuda.device_array((T2 * k, N), np.float32, stream=stream)
+        xh = rng.standard_normal((T2 * k // x_div, K)).astype(np.float32)
+        x = cuda.to_device(xh, stream=stream)
+        nb = len(np.unique(ids2_h)) * dev.nbytes // E + 4 * T2 * k * (N + K)
+        for tok in (BN, 64):
+            tl = cuda.device_array((2, expert_tiles_capacity(T2 * k, E, tok)), np.int32,
+                                   stream=stream)
 
-        def fn(tok=tok, tl=tl):
-            expert_order(order2, ids2, E, stream, tiles=tl, tile=tok)
-            gemm_hmma(out, dev, x, ids2, order2, stream, tiles=tl, x_div=k, tokens=tok)
-        case(f"gemm_hmma {tok}-token tiles iq2_xxs experts {T2}x{k} rows x 4096x4096", fn, nb,
-             2 * T2 * k * 4096 * 4096, host, xh, out, ids2_h.ravel(), k, rows=12)
+            def fn(tok=tok, tl=tl, dev=dev, x=x, x_div=x_div, out=out):
+                expert_order(order2, ids2, E, stream, tiles=tl, tile=tok)
+                gemm_hmma(out, dev, x, ids2, order2, stream, tiles=tl, x_div=x_div, tokens=tok)
+            case(f"gemm_hmma {tok}-token tiles {GGMLType(qtype).name.lower()} experts "
+                 f"{T2}x{k} rows x {N}x{K}", fn, nb, 2 * T2 * k * N * K, host, xh, out,
+                 ids2_h.ravel(), x_div, rows=12)
     return cases

@@ -148,12 +148,14 @@ def test_expert_rows_with_shared_x(name, aligned, tiles_mi):
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
-def test_64_token_build_dense():
+@pytest.mark.parametrize("name", ["iq2_xxs", "q2_k"])
+def test_64_token_build_dense(name):
     # KERNELS_T64: 128 rows x 64 tokens a block, x staged 128 columns at a time. 72 rows (a
     # partial row block), 77 tokens (a full 64-token block: no per-tile branches; then 13: two
-    # busy 8-token tiles of 8), K = 512 (four stages)
+    # busy 8-token tiles of 8), K = 512 (four stages; Q2_K: two super-blocks, each one's mins
+    # with its first stage)
     rng = fresh_rng()
-    qtype, N, T, K = GGMLType.IQ2_XXS, 72, 77, 512
+    qtype, N, T, K = TYPES[name], 72, 77, 512
     w = _weight(qtype, 1, N, K, rng)
     x = _x(rng, T, K)
     ref = np.empty((T, N))
@@ -163,13 +165,14 @@ def test_64_token_build_dense():
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["tiles", "order"])
-def test_64_token_build_expert_rows(aligned):
+@pytest.mark.parametrize("name,aligned", [("iq2_xxs", True), ("iq2_xxs", False),
+                                          ("q2_k", True)])
+def test_64_token_build_expert_rows(name, aligned):
     # 40 tokens through both of E = 2 experts (x shared by a token's 2 rows): with
     # expert_order's 64-row tiles each expert's 40 rows are one block (5 busy token tiles);
     # without tiles a block's 64 entries of order span both experts (a pass each)
     rng = fresh_rng()
-    qtype, E, N, K, T, k = GGMLType.IQ2_XXS, 2, 20, 256, 40, 2
+    qtype, E, N, K, T, k = TYPES[name], 2, 20, 256, 40, 2
     w = _weight(qtype, E, N, K, rng)
     x = _x(rng, T, K)
     ids = np.stack([rng.permutation(E) for _ in range(T)]).astype(np.int32).ravel()
@@ -190,7 +193,7 @@ def test_64_token_build_expert_rows(aligned):
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
-def test_64_token_build_only_for_iq2_xxs():
+def test_64_token_build_only_for_the_routed_types():
     rng = fresh_rng()
     w = _weight(GGMLType.Q8_0, 1, 8, 64, rng)
     out = cuda.device_array((3, 8), np.float32)
