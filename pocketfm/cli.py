@@ -329,8 +329,8 @@ def inspect(path, all_keys):
 @click.option("--prefill-ab", is_flag=True,
               help="With --prefill: then time its last chunk again under variants that each "
                    "undo one landed change (one stream, each side-stream branch off, q's norm "
-                   "and RoPE as launches) or try a candidate (the routed experts in 64-token "
-                   "tiles), in turn, twice: an A/B in one process.")
+                   "and RoPE as launches) or try a candidate (the routed experts, the dense "
+                   "Q8_0 GEMMs in 64-token tiles), in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")

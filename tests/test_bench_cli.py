@@ -89,10 +89,12 @@ def test_prefill_variants_time_the_chunk_and_restore_the_settings(micro_path, mo
     assert list(r) == ["q norm + RoPE as launches"] and r[list(r)[0]]["best_s"] > 0
     assert pf.fold_q_norm_rope and pf.branches and pf.branch_sites == set(BRANCH_SITES)
     # the 64-token candidate is off unless POCKETFM_HMMA_T64=1 turns it on for a run
-    assert pf.routed_tokens == 32 and variants["routed experts in 64-token tiles"] == dict(
-        routed_tokens=64)
+    assert pf.routed_tokens == pf.dense_tokens == 32
+    assert variants["routed experts in 64-token tiles"] == dict(routed_tokens=64)
+    assert variants["dense Q8_0 in 64-token tiles"] == dict(dense_tokens=64)
     monkeypatch.setenv("POCKETFM_HMMA_T64", "1")
-    assert eng.prefill(3).routed_tokens == 64
+    pf64 = eng.prefill(3)
+    assert pf64.routed_tokens == pf64.dense_tokens == 64
 
 
 def test_bench_profiling_is_refused_with_kv_swap():

@@ -197,14 +197,16 @@ def time_prefill(eng: DecodeEngine, start: int, n: int, chunk: int, seed: int = 
 def _prefill_variants() -> dict:
     """What ``bench --prefill-ab`` times against the prefill as landed: ChunkPrefill settings
     that undo one change each (the side streams, each branch site, the q norm / RoPE fold),
-    and a candidate not landed (the routed experts on hmma.py's 64-token build)."""
+    and candidates not landed (the routed experts, the dense Q8_0 GEMMs on hmma.py's 64-token
+    build)."""
     from .prefill import BRANCH_SITES
 
     every = frozenset(BRANCH_SITES)
     return {"as landed": {}, "one stream": dict(branches=False),
             **{f"without the {s} branch": dict(branch_sites=every - {s}) for s in BRANCH_SITES},
             "q norm + RoPE as launches": dict(fold_q_norm_rope=False),
-            "routed experts in 64-token tiles": dict(routed_tokens=64)}
+            "routed experts in 64-token tiles": dict(routed_tokens=64),
+            "dense Q8_0 in 64-token tiles": dict(dense_tokens=64)}
 
 
 def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> dict:

@@ -74,9 +74,11 @@ class ChunkPrefill:
         self.branches = True  # False: everything on the main stream (launch-by-launch timing)
         self.branch_sites = frozenset(BRANCH_SITES)  # which of them branch (an A/B: a subset)
         self.fold_q_norm_rope = True  # False: q's norm and RoPE as launches (an A/B)
-        # 64: the routed gate+up and down on hmma.py's 64-token build over 64-row expert tiles
-        # (an A/B, not yet measured: POCKETFM_HMMA_T64=1 or bench --prefill-ab)
-        self.routed_tokens = 64 if os.environ.get("POCKETFM_HMMA_T64", "") == "1" else 32
+        # 64: the routed gate+up and down, and the dense Q8_0 GEMMs, on hmma.py's 64-token
+        # build (the experts over 64-row tiles): A/Bs, not yet measured (bench --prefill-ab
+        # times each; POCKETFM_HMMA_T64=1 turns both on for a run)
+        t64 = os.environ.get("POCKETFM_HMMA_T64", "") == "1"
+        self.routed_tokens = self.dense_tokens = 64 if t64 else hmma.BN
         self._alloc()
         self._group_ids = {}  # T -> ids [G·T] of the group-major rows (g·T + t -> g)
         self._mix_views = {}  # T -> hc_pre's mix workspace for T tokens (a view of hc_mix)
@@ -107,9 +109,9 @@ class ChunkPrefill:
 
     @contextmanager
     def settings(self, **values):
-        """These attributes (branches, branch_sites, fold_q_norm_rope, routed_tokens) set
-        while inside, as they were after it (an A/B of the chunk; an unknown name raises
-        AttributeError)."""
+        """These attributes (branches, branch_sites, fold_q_norm_rope, routed_tokens,
+        dense_tokens) set while inside, as they were after it (an A/B of the chunk; an unknown
+        name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -198,9 +200,15 @@ class ChunkPrefill:
         """out = W · x: from x's prepared ``limbs`` where hmma.py takes the weight, else gemv
         (on the main stream: a side stream only takes GEMMs of limbs, see _beside)."""
         if limbs is not None and hmma.takes(w):
-            hmma.gemm_hmma_prepared(out, w, limbs, stream=stream or self.eng.stream)
+            hmma.gemm_hmma_prepared(out, w, limbs, stream=stream or self.eng.stream,
+                                    tokens=self._dense_tokens(w))
         else:
             gemv(out, w, x, None, self.eng.stream, threads=self.eng.nt)
+
+    def _dense_tokens(self, w) -> int:
+        """Tokens a block of hmma.py's GEMM of the dense weight ``w`` (dense_tokens 64: its
+        64-token build where it has one)."""
+        return 64 if self.dense_tokens == 64 and w.qtype in hmma.KERNELS_T64 else hmma.BN
 
     def _beside(self, side, limbs, site: str):
         """The stream for GEMMs of ``limbs`` beside the main chain at ``site`` (BRANCH_SITES):
@@ -291,8 +299,10 @@ class ChunkPrefill:
                                                 stream=s)
         if self._limbs_here(T) and hmma.takes(L.out_a) and hmma.takes(L.out_b):
             hmma.gemm_hmma_prepared(y_g.reshape(G * T, cfg.o_rank), L.out_a,
-                                    hmma.prepare_x_group_major(o3, s), self._group_ids[T], stream=s)
-            hmma.gemm_hmma_prepared(f, L.out_b, hmma.prepare_x_token_major(y_g, s), stream=s)
+                                    hmma.prepare_x_group_major(o3, s), self._group_ids[T], stream=s,
+                                    tokens=self._dense_tokens(L.out_a))
+            hmma.gemm_hmma_prepared(f, L.out_b, hmma.prepare_x_token_major(y_g, s), stream=s,
+                                    tokens=self._dense_tokens(L.out_b))
             return
         o_g = self._view(self.o_groups, G, T)
         sk.swap_leading(o_g, o3, s)

@@ -48,8 +48,8 @@ thread's 32 loads of a stage go out together (one round trip to L2 a stage, not 
 8-token MMA tiles with no row in a pass are skipped (an expert's tile holds ~24 rows at 1,024
 tokens); the K loop is built twice, with and without those branches, so a full tile has none.
 Indices into the weight planes and x are unsigned: Numba adds negative-index code otherwise.
-KERNELS_T64 (IQ2_XXS and Q2_K, for A/B) is 2 x 8 tiles a warp: 128 rows x 64 tokens a block,
-x staged 128 columns at a time, over expert_order's 64-row tiles.
+KERNELS_T64 (IQ2_XXS, Q2_K and Q8_0, for A/B) is 2 x 8 tiles a warp: 128 rows x 64 tokens a
+block, x staged 128 columns at a time (with ids: over expert_order's 64-row tiles).
 
 In the simulator an MMA is emulated per warp (mma.py), and the float16 pair arithmetic in
 NumPy; sizes stay tiny there.
@@ -827,9 +827,11 @@ KERNELS_2 = {qt: _hmma_kernel(*spec, mi=2, max_registers=MAX_REGISTERS_2[qt])
 # 168 without spill (3 blocks an SM, 12 warps, against the 32-token build's 8), 128 spills 168
 # bytes. Not yet measured on a GPU; gemm_hmma_prepared(..., tokens=64) over
 # expert_order(..., tile=64)'s tiles.
-# Q2_K: 68 bytes of spill at 168 registers, none at 255 (254: 2 blocks an SM).
+# Q2_K: 68 bytes of spill at 168 registers, none at 255 (254: 2 blocks an SM). Q8_0 (the dense
+# GEMMs, whose Nsight stalls wait on the weight loads: each word loaded here feeds twice the
+# tokens): no spill at 168.
 KERNELS_T64 = {qt: _hmma_kernel(*_SPECS[qt], mi=2, ni=8, ch=128, max_registers=168)
-               for qt in (GGMLType.IQ2_XXS, GGMLType.Q2_K)}
+               for qt in (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q8_0)}
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -1047,9 +1049,20 @@ def bench_cases(stream) -> list[BenchCase]:
         for how, fn in (("gemm_hmma", f16), ("gemm_mma (bf16 codes)", bf16)):
             case(f"{how} expert tiles {spec.name} experts {T}x{k} rows x {N}x{K}", fn, nb,
                  2 * T * k * N * K, host, xh, out, ids_h, x_div, rows=12)
-    # the routed experts of a 2,048-token chunk (~48 rows an expert): the 32-token build over
-    # 32-row tiles against KERNELS_T64 over 64-row tiles
+    # a 2,048-token chunk: the dense Q8_0 q_b and out_b, then the routed experts (~48 rows an
+    # expert), on the 32-token build (32-row expert tiles) against KERNELS_T64 (64-row ones)
     T2 = 2048
+    for name, N, K in (("attn_q_b", 32768, 1024), ("attn_output_b", 4096, 8192)):
+        host = _random_weight(_TYPES[GGMLType.Q8_0], N, K, rng)
+        dev = host.to_device(stream)
+        xh = rng.standard_normal((T2, K)).astype(np.float32)
+        x = cuda.to_device(xh, stream=stream)
+        out = cuda.device_array((T2, N), np.float32, stream=stream)
+        for tok in (BN, 64):
+            case(f"gemm_hmma {tok}-token tiles q8_0 {name} {T2} tok x {N}x{K}",
+                 lambda out=out, dev=dev, x=x, tok=tok: gemm_hmma(out, dev, x, stream=stream,
+                                                                 tokens=tok),
+                 dev.nbytes + 4 * T2 * (N + K), 2 * T2 * N * K, host, xh, out)
     ids2_h = np.stack([rng.choice(E, k, replace=False) for _ in range(T2)]).astype(np.int32)
     ids2 = cuda.to_device(ids2_h.ravel(), stream=stream)
     order2 = cuda.device_array(T2 * k, np.int32, stream=stream)

@@ -148,7 +148,7 @@ def test_expert_rows_with_shared_x(name, aligned, tiles_mi):
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
-@pytest.mark.parametrize("name", ["iq2_xxs", "q2_k"])
+@pytest.mark.parametrize("name", ["iq2_xxs", "q2_k", "q8_0"])
 def test_64_token_build_dense(name):
     # KERNELS_T64: 128 rows x 64 tokens a block, x staged 128 columns at a time. 72 rows (a
     # partial row block), 77 tokens (a full 64-token block: no per-tile branches; then 13: two
@@ -166,7 +166,7 @@ def test_64_token_build_dense(name):
 
 
 @pytest.mark.parametrize("name,aligned", [("iq2_xxs", True), ("iq2_xxs", False),
-                                          ("q2_k", True)])
+                                          ("q2_k", True), ("q8_0", False)])
 def test_64_token_build_expert_rows(name, aligned):
     # 40 tokens through both of E = 2 experts (x shared by a token's 2 rows): with
     # expert_order's 64-row tiles each expert's 40 rows are one block (5 busy token tiles);
@@ -193,11 +193,11 @@ def test_64_token_build_expert_rows(name, aligned):
     assert rel_err(out.copy_to_host(), ref) <= BOUND
 
 
-def test_64_token_build_only_for_the_routed_types():
+def test_64_token_build_not_for_f16():
     rng = fresh_rng()
-    w = _weight(GGMLType.Q8_0, 1, 8, 64, rng)
+    w = _weight(GGMLType.F16, 1, 8, 64, rng)
     out = cuda.device_array((3, 8), np.float32)
-    with pytest.raises(ValueError, match="no 64-token build for Q8_0"):
+    with pytest.raises(ValueError, match="no 64-token build for F16"):
         hmma.gemm_hmma(out, w.to_device(), cuda.to_device(_x(rng, 3, 64)), tokens=64)
 
 
