@@ -330,7 +330,7 @@ def prefill_buffer_specs(cfg: ModelConfig, capacity: int, chunk: int) -> list[Ar
     # ... and cut into tiles of one expert each (mma.expert_order's tiles, always whole: a
     # shorter chunk needs fewer, and the spare ones are empty)
     s.add("route_tiles", 2, expert_tiles_capacity(T * k, cfg.n_experts), dtype=i32)
-    # ... and into tiles of 64 rows, for hmma.py's 64-token build of the gate+up (an A/B)
+    # ... and into tiles of 64 rows, for hmma.py's 64-token build of the routed GEMMs (an A/B)
     s.add("route_tiles64", 2, expert_tiles_capacity(T * k, cfg.n_experts, 64), dtype=i32)
     # hmma.py's x (float16 limbs) for every GEMM of the chunk, carved per launch (the launches
     # run in order on the prefill's stream, so one workspace serves them all)

@@ -382,18 +382,20 @@ class ChunkPrefill:
         # is filled once for all its rows (the simulator keeps the expert-indexed GEMV); in
         # hmma.py's kernel x is read per token (no copies) and the down's x is made
         # from gate|up through the SwiGLU in its preparation (no h)
+        on_hmma = grouped and hmma.takes(L.gate_up) and hmma.takes(L.down)
+        gu64, dn64 = (on_hmma and self.routed_tokens == 64 and m.qtype in hmma.KERNELS_T64
+                      for m in (L.gate_up, L.down))
         if grouped:
+            # 32-row tiles for the GEMMs on 32-token kernels, 64-row ones for those on hmma's
+            # 64-token build: tiles are spans of each expert's positions in order, whatever the
+            # order inside a group, so a second grouping leaves the first one's tiles valid
             order, tiles = self.route_order[:Tk], self.route_tiles
-            expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
-        if grouped and hmma.takes(L.gate_up) and hmma.takes(L.down):
-            gu64, dn64 = (self.routed_tokens == 64 and m.qtype in hmma.KERNELS_T64
-                          for m in (L.gate_up, L.down))
+            if not (gu64 and dn64):
+                expert_order(order, flat_ids, L.gate_up.experts, s, tiles=tiles)
             if gu64 or dn64:
-                # the same grouping again, into 64-row tiles (tiles are spans of each expert's
-                # positions in order, whatever the order inside a group: the 32-row ones stay
-                # valid)
                 expert_order(order, flat_ids, L.gate_up.experts, s, tiles=self.route_tiles64,
                              tile=64)
+        if on_hmma:
             xg = xv if xv is not None else hmma.prepare_x(v, s)
             gu_tiles, gu_tokens = (self.route_tiles64, 64) if gu64 else (tiles, hmma.BN)
             hmma.gemm_hmma_prepared(gu, L.gate_up, xg, flat_ids, order, s, tiles=gu_tiles,

@@ -830,6 +830,15 @@ def _random_weight(ty: _Type, N: int, K: int, rng, E: int = 1) -> QWeight:
     return globals()[f"pack_{ty.name}"](raw, N, K)
 
 
+def _dense_bench_arrays(qtype, N: int, K: int, T: int, rng, stream):
+    """A GEMM bench case's arrays: (host weight, its device copy, x on the host [T, K], x on
+    the device, out [T, N] on the device), the weight drawn first."""
+    host = _random_weight(_TYPES[qtype], N, K, rng)
+    xh = rng.standard_normal((T, K)).astype(np.float32)
+    return (host, host.to_device(stream), xh, cuda.to_device(xh, stream=stream),
+            cuda.device_array((T, N), np.float32, stream=stream))
+
+
 def bench_cases(stream) -> list[BenchCase]:
     """Decode GEMVs at V4-Flash shapes (the launcher's own kernel choice), each timed as a graph
     of 20 launches rotating over enough weight copies (>= 256 MB) that L2 (60 MB) cannot serve

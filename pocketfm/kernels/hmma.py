@@ -620,9 +620,9 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: 
             h1, h2 = xh_s[jb, kw + c], xh_s[jb, kw + 4 + c]
             l1, l2 = xl_s[jb, kw + c], xl_s[jb, kw + 4 + c]
             _k_step(acc, ni * 4, ff[0], ff[1], h1, h2, l1, l2, xch)
-            _k_step(acc, (NI + ni) * 4, ff[2], ff[3], h1, h2, l1, l2, xch)
-            _k_step(acc, (2 * NI + ni) * 4, ff[4], ff[5], h1, h2, l1, l2, xch)
-            _k_step(acc, (3 * NI + ni) * 4, ff[6], ff[7], h1, h2, l1, l2, xch)
+            _k_step(acc, (NI_ + ni) * 4, ff[2], ff[3], h1, h2, l1, l2, xch)
+            _k_step(acc, (2 * NI_ + ni) * 4, ff[4], ff[5], h1, h2, l1, l2, xch)
+            _k_step(acc, (3 * NI_ + ni) * 4, ff[6], ff[7], h1, h2, l1, l2, xch)
 
     @cuda.jit(device=True)
     def _mins_col(acc, ni, mw, xm_s, g, c, busy, xch, ALL):
@@ -634,8 +634,8 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: 
             _q2_k_mins_tile(acc, ni * 4, mw[0], mw[1], hw, lw, xch)
             _q2_k_mins_tile(acc, (NI_ + ni) * 4, mw[2], mw[3], hw, lw, xch)
             if mi == 4:
-                _q2_k_mins_tile(acc, (2 * NI + ni) * 4, mw[4], mw[5], hw, lw, xch)
-                _q2_k_mins_tile(acc, (3 * NI + ni) * 4, mw[6], mw[7], hw, lw, xch)
+                _q2_k_mins_tile(acc, (2 * NI_ + ni) * 4, mw[4], mw[5], hw, lw, xch)
+                _q2_k_mins_tile(acc, (3 * NI_ + ni) * 4, mw[6], mw[7], hw, lw, xch)
 
     @cuda.jit(device=True)
     def _mins(acc, mw, xm_s, g, c, busy, xch, ALL):
@@ -784,7 +784,7 @@ def _hmma_kernel(name: str, load, frag, TAB: int, MINS: bool, mi: int = MI, ni: 
             _store_col(out, acc, 6, rows, xs, x_div, n_w + g, c, N)
             _store_col(out, acc, 7, rows, xs, x_div, n_w + g, c, N)
     k.__name__ = k.__qualname__ = (f"_gemm_{name}_hmma" + ("" if mi == MI else f"_mi{mi}")
-                                   + ("" if ni == NI else f"_t{8 * ni}"))
+                                   + ("" if ni == NI else f"_t{BN_}"))
     return kernel(**opts)(k)
 
 
@@ -990,7 +990,7 @@ def bench_cases(stream) -> list[BenchCase]:
     routed experts' gate+up (IQ2_XXS) and down (Q2_K) over 6,144 (token, expert) rows of 256
     experts in expert_order's tiles."""
     from . import gemv_lowbit
-    from .gemv import _random_weight, _TYPES
+    from .gemv import _dense_bench_arrays, _TYPES
     from .mma import expert_order, gemm_mma
     rng = np.random.default_rng(0)
     cases = []
@@ -1012,11 +1012,7 @@ def bench_cases(stream) -> list[BenchCase]:
                            (GGMLType.Q8_0, "attn_output_b", 4096, 8192),
                            (GGMLType.F16, "indexer.attn_q_b", 8192, 1024),
                            (GGMLType.F16, "ffn_gate_inp", 256, 4096)):
-        host = _random_weight(_TYPES[qt], N, K, rng)
-        dev = host.to_device(stream)
-        xh = rng.standard_normal((T, K)).astype(np.float32)
-        x = cuda.to_device(xh, stream=stream)
-        out = cuda.device_array((T, N), np.float32, stream=stream)
+        host, dev, xh, x, out = _dense_bench_arrays(qt, N, K, T, rng, stream)
         nb, fl = dev.nbytes + 4 * T * (N + K), 2 * T * N * K
         other = "bf16 codes" if qt == GGMLType.Q8_0 else "bf16 split"
         for how, f16 in (("gemm_hmma", True), (f"gemm_mma ({other})", False)):
@@ -1053,11 +1049,7 @@ def bench_cases(stream) -> list[BenchCase]:
     # expert), on the 32-token build (32-row expert tiles) against KERNELS_T64 (64-row ones)
     T2 = 2048
     for name, N, K in (("attn_q_b", 32768, 1024), ("attn_output_b", 4096, 8192)):
-        host = _random_weight(_TYPES[GGMLType.Q8_0], N, K, rng)
-        dev = host.to_device(stream)
-        xh = rng.standard_normal((T2, K)).astype(np.float32)
-        x = cuda.to_device(xh, stream=stream)
-        out = cuda.device_array((T2, N), np.float32, stream=stream)
+        host, dev, xh, x, out = _dense_bench_arrays(GGMLType.Q8_0, N, K, T2, rng, stream)
         for tok in (BN, 64):
             case(f"gemm_hmma {tok}-token tiles q8_0 {name} {T2} tok x {N}x{K}",
                  lambda out=out, dev=dev, x=x, tok=tok: gemm_hmma(out, dev, x, stream=stream,

@@ -163,12 +163,11 @@ def _warn_once(what: str, err: Exception) -> None:
 def attach(disp, fn, options: dict) -> None:
     """Give dispatcher ``disp`` (compiled from ``fn``, or pdl.py's wrapper of it) the disk cache
     unless POCKETFM_KERNEL_CACHE turns it off."""
-    root = cache_root()
-    if root is None:
+    path = directory()
+    if path is None:
         return
     try:
-        disp._cache = _kernel_cache_class()(disp.py_func, directory(),
-                                            function_identity(fn, options))
+        disp._cache = _kernel_cache_class()(disp.py_func, path, function_identity(fn, options))
     except Exception as e:  # a closure value it cannot describe
         _warn_once(f"{fn.__qualname__} not cached", e)
 

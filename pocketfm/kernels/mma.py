@@ -912,16 +912,12 @@ def bench_cases(stream) -> list[BenchCase]:
     them), beside the expert-indexed dp4a GEMV that ran them before (same rows, same
     weights)."""
     from . import gemv_lowbit
-    from .gemv import _random_weight, _TYPES
+    from .gemv import _dense_bench_arrays
     rng = np.random.default_rng(0)
     cases = []
     T = 512
     for name, N, K in (("attn_q_b", 32768, 1024), ("attn_output_b", 4096, 8192)):
-        host = _random_weight(_TYPES[GGMLType.Q8_0], N, K, rng)
-        dev = host.to_device(stream)
-        xh = rng.standard_normal((T, K)).astype(np.float32)
-        x = cuda.to_device(xh, stream=stream)
-        out = cuda.device_array((T, N), np.float32, stream=stream)
+        host, dev, xh, x, out = _dense_bench_arrays(GGMLType.Q8_0, N, K, T, rng, stream)
 
         def check(host=host, xh=xh, out=out, N=N):
             rows = min(N, 256)
