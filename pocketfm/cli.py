@@ -331,6 +331,11 @@ def inspect(path, all_keys):
                    "undo one landed change (one stream, each side-stream branch off, q's norm "
                    "and RoPE as launches) or try a candidate (the routed experts, the dense "
                    "Q8_0 GEMMs in 64-token tiles), in turn, twice: an A/B in one process.")
+@click.option("--decode-ab", is_flag=True,
+              help="Then time the decode steps again under variants that each undo one landed "
+                   "change (one stream instead of the side-stream branches; HC pre's u block of "
+                   "512 threads) or try a candidate (the q_a norm inside q_b's x limbs), each "
+                   "step captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
@@ -358,8 +363,8 @@ def inspect(path, all_keys):
                    "tok/s then counts N layers' work, not the model's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, prefill_ab,
-          prefill, prefill_chunk, kv_swap, gpu_chunks, interval, churn, commit_lag, layers,
-          as_json):
+          decode_ab, prefill, prefill_chunk, kv_swap, gpu_chunks, interval, churn, commit_lag,
+          layers, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -403,15 +408,16 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
         if ctx // 4 <= slots:
             raise InputError(f"--kv-swap: --ctx {ctx} has {ctx // 4} chunks, not more than the "
                              f"{slots} staging slots: nothing to swap")
-        if profile or ncu_step or ncu_chunk:
-            flag = "--profile" if profile else "--ncu-step" if ncu_step else "--ncu-chunk"
+        if profile or ncu_step or ncu_chunk or decode_ab:
+            flag = ("--profile" if profile else "--ncu-step" if ncu_step else
+                    "--ncu-chunk" if ncu_chunk else "--decode-ab")
             raise InputError(f"{flag}: not with --kv-swap (profile the step without it)")
     elif gpu_chunks is not None or commit_lag is not None:
         raise InputError(f"--{'gpu-chunks' if gpu_chunks is not None else 'commit-lag'}: only "
                          "meaningful with --kv-swap")
     r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk,
                   slots, interval, churn, commit_lag, ncu=ncu_step, ncu_prefill=ncu_chunk,
-                  prefill_ab=prefill_ab)
+                  prefill_ab=prefill_ab, decode_ab=decode_ab)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, layers=cfg.n_layers, **r)))
         return
@@ -427,6 +433,10 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
     click.echo(f"{name} at ctx {r['ctx']:,}: decode {r['decode_tok_s']:.1f} tok/s "
                f"({r['step_ms']:.2f} ms/step), {r['bytes_per_token']['total'] / 1e9:.2f} GB "
                f"read/token, {r['achieved_gbs']:.0f} GB/s")
+    if "decode_ab" in r:
+        click.echo("decode A/B, ms a step (best / median of 2, each captured anew):")
+        for variant, t in r["decode_ab"].items():
+            click.echo(f"  {variant:<36} {t['best_ms']:.3f} / {t['median_ms']:.3f}")
     if kv_swap:
         st = r["kv_swap"]
         click.echo(f"kv swap: {st['gpu_chunks']} slots x {st['layers']} CSA layers, pinned pool "

@@ -97,8 +97,25 @@ def test_prefill_variants_time_the_chunk_and_restore_the_settings(micro_path, mo
     assert pf64.routed_tokens == pf64.dense_tokens == 64
 
 
+def test_decode_variants_time_the_step_and_restore_the_settings(micro_path):
+    """`bench --decode-ab`'s timing in the simulator (one variant, one round, one step):
+    every variant names settings the engine has, each variant's time comes back, the engine's
+    settings are as they were after it, and the next step is captured anew."""
+    from pocketfm.engine.bench import _decode_variants, time_decode_variants
+    from pocketfm.generate import load
+
+    eng = load(micro_path, device="cuda").engine(8)
+    eng.start([1, 72, 305, 17])
+    variants = _decode_variants()
+    assert {k for v in variants.values() for k in v} <= set(vars(eng))
+    assert variants["one stream"] == dict(branches=False)
+    r = time_decode_variants(eng, 0, 1, rounds=1, names=["one stream"])
+    assert list(r) == ["one stream"] and r["one stream"]["best_ms"] > 0
+    assert eng.branches and eng._graph is None
+
+
 def test_bench_profiling_is_refused_with_kv_swap():
-    for flag in ("--profile", "--ncu-step", "--ncu-chunk"):
+    for flag in ("--profile", "--ncu-step", "--ncu-chunk", "--decode-ab"):
         code, _, err = bench("--preset", "tiny", "--ctx", "420", "--kv-swap", "--gpu-chunks",
                              "100", flag)
         lines = err.strip().splitlines()

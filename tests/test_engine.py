@@ -116,3 +116,31 @@ def test_engine_with_memory_indexer_matches_numpy(micro_path, tmp_path, mode):
             # contracted, ends 1.04e-4 from NumPy's on one cycle: within the logits' 1e-4 rel.)
             assert a["kept"] == b["kept"] and abs(a["score_mean"] - b["score_mean"]) <= 3e-4
     assert got.extra["resident_fraction"] == ref.extra["resident_fraction"] < 1.0
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (q_b takes dp4a only there)")
+def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
+    """The flash geometry's first 4 layers (window-only, CSA: q_b on its side stream, HCA;
+    synthetic weights in the ds4 type mix, caches filled to 4,096): one step with the q_a norm
+    inside q_b's limbs launch, the same step with the norm as its own launch (only the norm's
+    summation order differs)."""
+    from pocketfm.engine.bench import fill_caches
+    from pocketfm.engine.decode import DecodeEngine
+    from pocketfm.engine.synthetic_weights import SyntheticSource
+    from pocketfm.kernels.gemv import takes_limbs
+    from pocketfm.presets import first_layers, preset
+    from numba import cuda
+
+    cfg = first_layers(preset("flash"), 4)
+    s = cuda.stream()
+    eng = DecodeEngine(cfg, SyntheticSource(cfg, "ds4-q2", 0, s), 4100, stream=s)
+    assert takes_limbs(eng.w.layers[0].q_b, norm=True)
+    fill_caches(eng, 4096)
+    logits = {}
+    for fold in (True, False):
+        with eng.settings(fold_q_a_norm=fold):
+            eng.set_position(4096)
+            eng.step(graph=False)
+            logits[fold] = eng.read_logits()
+    rel = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
+    assert rel <= 1e-4, rel

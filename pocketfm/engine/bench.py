@@ -237,6 +237,43 @@ def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> d
     return {n: dict(best_s=min(v), median_s=float(np.median(v))) for n, v in times.items()}
 
 
+def _decode_variants() -> dict:
+    """What ``bench --decode-ab`` times against the step as landed: DecodeEngine settings that
+    undo one change each (the side streams; HC pre's u block of 1,024 threads with the norm
+    from registers) or try a candidate (the q_a norm folded into q_b's x limbs: 8.04 against
+    7.97 ms, H100, 30 layers, 2026-12-05, so off). HC pre's mix and u in one launch (the last
+    block to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped."""
+    return {"as landed": {}, "one stream": dict(branches=False),
+            "q_a norm folded into q_b's limbs": dict(fold_q_a_norm=True),
+            "HC pre's u block of 512 threads": dict(hc_u_threads=512)}
+
+
+def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:
+    """The decode steps at positions p0 .. p0+steps-1 again under each variant of
+    _decode_variants (``names``: a subset), in turn ``rounds`` times, in one process. Each
+    variant's step is captured anew (an eager step, then the capture, at p0 and p0 + 1) and
+    then replayed from p0 again, so every variant does the same positions' work. ->
+    {variant: {"best_ms", "median_ms"}}, GPU ms a step (CUDA events)."""
+    variants = _decode_variants()
+    names = list(variants) if names is None else list(names)
+    s = eng.stream
+
+    def run(name):
+        with eng.settings(**variants[name]):
+            eng.set_position(p0)
+            eng.step()  # eager (compiles what only this variant launches)
+            if not device.SIMULATOR:
+                eng.step()  # captured, replayed once
+            eng.set_position(p0)
+            return _timed(lambda: [eng.step() for _ in range(steps)], s) / steps
+
+    times = {n: [] for n in names}
+    for _ in range(rounds):
+        for n in names:
+            times[n].append(run(n))
+    return {n: dict(best_ms=min(v), median_ms=float(np.median(v))) for n, v in times.items()}
+
+
 # the launchers a prefill chunk calls, by module (prefill's imports; hmma.py's GEMM and x
 # preparations, which prefill calls through the module)
 PREFILL_PROFILED = ("hc_pre", "hc_post", "rmsnorm", "rmsnorm_rope", "attention_prefill",
@@ -423,14 +460,16 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
               progress=None, profile: bool = False, prefill: int = 0,
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
               churn: float = 0.1, lag: int | None = None, ncu: bool = False,
-              ncu_prefill: bool = False, prefill_ab: bool = False) -> dict:
+              ncu_prefill: bool = False, prefill_ab: bool = False,
+              decode_ab: bool = False) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
     replays after its boundary (None: as ``run --kv-swap``). ``ncu``: then one more step for
     Nsight Compute (``ncu_step``; not with kv_swap); ``ncu_prefill``: the last prefill chunk
     again for it (``ncu_chunk``); ``prefill_ab``: the last prefill chunk again under each of
-    time_prefill_variants' variants (``prefill_ab`` in the result)."""
+    time_prefill_variants' variants (``prefill_ab`` in the result); ``decode_ab``: the timed
+    decode steps again under each of time_decode_variants' variants (``decode_ab``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
@@ -474,14 +513,17 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     first_s = time.perf_counter() - t0
     if not device.SIMULATOR:  # (the simulator launches every step eagerly: nothing to capture)
         eng.step()  # captures the graph and replays it once
+    p0 = ctx + 1 + int(not device.SIMULATOR)  # the timed steps' first position
     step_ms = _timed(lambda: [eng.step() for _ in range(tokens)], stream) / tokens
+    extra = {}
+    if decode_ab:
+        extra["decode_ab"] = time_decode_variants(eng, p0, tokens)
     free1, _ = cuda.current_context().get_memory_info()
     nb = bytes_per_token(eng, ctx)
     used = None if device.SIMULATOR else int(free0 - free1)  # (the simulator has no memory)
-    extra = {}
     if profile and not device.SIMULATOR:
         prof = profile_step(eng)
-        extra = dict(profile_ms=prof, profile_sum_ms=sum(prof.values()))
+        extra.update(profile_ms=prof, profile_sum_ms=sum(prof.values()))
         if prefill:
             extra["prefill_profile"] = profile_chunk(eng.prefill(prefill_chunk), *last)
     if ncu:

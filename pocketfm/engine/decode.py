@@ -27,6 +27,7 @@ Letters: D hidden, HC streams, H heads, K head dim, R rope dims, G output groups
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -39,7 +40,7 @@ from ..kernels import device
 from ..kernels.attention import attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import gemv, simulator_prefers_rows
+from ..kernels.gemv import gemv, gemv_q8_0, q8_0_limbs, simulator_prefers_rows, takes_limbs
 from ..kernels.hc import hc_head, hc_post, hc_pre
 from ..kernels.indexer import indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
@@ -137,8 +138,30 @@ class DecodeEngine:
         # runs beside the routed ones on ``side``.
         self.side, self.branches = device.SideStream(), True
         self.side_q, self.side_idx = device.SideStream(), device.SideStream()
+        # candidate (bench --decode-ab): the q_a norm inside q_b's x preparation, where q_b
+        # takes the dp4a kernel (one launch fewer on an HCA layer's query path)
+        self.fold_q_a_norm = False
+        # HC pre's u block: None, its own choice (V4: 1024 threads, the norm from registers);
+        # 512: the block before that (two-pass norm), for bench --decode-ab
+        self.hc_u_threads = None
         if device.SIMULATOR:
             simulator_prefers_rows()
+
+    @contextlib.contextmanager
+    def settings(self, **values):
+        """These attributes (branches, fold_q_a_norm, hc_u_threads) set while inside, as they
+        were after it; the step is captured anew under each (an A/B of the step; an unknown name
+        raises AttributeError)."""
+        before = {k: getattr(self, k) for k in values}
+        try:
+            for k, v in values.items():
+                setattr(self, k, v)
+            self._graph = self._warm = None
+            yield self
+        finally:
+            for k, v in before.items():
+                setattr(self, k, v)
+            self._graph = self._warm = None
 
     # ---- buffers -------------------------------------------------------------------------------
     def _alloc_step_buffers(self):
@@ -224,7 +247,7 @@ class DecodeEngine:
         side = self.side if self.branches else None  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
                threads=nt, side=side, norm=(u, L.attn_norm), post_from=post_from,
-               **sim)  # u = attn_norm(HC pre)
+               u_threads=self.hc_u_threads, **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
         if cfg.is_csa(i):  # the indexer's keys and weights, from u alone: on their own branch
@@ -248,9 +271,16 @@ class DecodeEngine:
                             cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, out,
                             stream=s2, threads=nt, rowmap=rowmap)
         gemv(self.cq, L.q_a, u, None, s, threads=nt)
-        rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
+        limbs = None  # q_b's x as int8 limbs, made with the q_a norm in one launch (dp4a q_b)
+        if self.fold_q_a_norm and takes_limbs(L.q_b, norm=True):
+            limbs = q8_0_limbs(self.cq, s, norm=(self.cq_norm, L.q_a_norm, eps), name="q_b limbs")
+        else:
+            rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
         sq = self.side_q.fork(s) if self.branches and cfg.is_csa(i) else s  # beside the indexer
-        gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
+        if limbs is not None:
+            gemv_q8_0(self.q.reshape(1, H * K), L.q_b, None, stream=sq, threads=nt, limbs=limbs)
+        else:
+            gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
         q2 = self.q.reshape(H, K)
         rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
                      threads=nt, **sim)  # the weightless per-head norm, then RoPE
@@ -332,7 +362,7 @@ class DecodeEngine:
         side = self.side if self.branches else None  # post + comb beside u and the MoE
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
                cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm),
-               post_from=post_from, **sim)
+               post_from=post_from, u_threads=self.hc_u_threads, **sim)
         moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],

@@ -75,8 +75,9 @@ class ChunkPrefill:
         self.branch_sites = frozenset(BRANCH_SITES)  # which of them branch (an A/B: a subset)
         self.fold_q_norm_rope = True  # False: q's norm and RoPE as launches (an A/B)
         # 64: the routed gate+up and down, and the dense Q8_0 GEMMs, on hmma.py's 64-token
-        # build (the experts over 64-row tiles): A/Bs, not yet measured (bench --prefill-ab
-        # times each; POCKETFM_HMMA_T64=1 turns both on for a run)
+        # build (the experts over 64-row tiles): candidates, both slower in the chunk (H100,
+        # 2026-12-05 (i): routed +3.2%, dense +1.1%; bench --prefill-ab times each;
+        # POCKETFM_HMMA_T64=1 turns both on for a run)
         t64 = os.environ.get("POCKETFM_HMMA_T64", "") == "1"
         self.routed_tokens = self.dense_tokens = 64 if t64 else hmma.BN
         self._alloc()

@@ -25,7 +25,10 @@ Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one
   into three int8 limbs so that dp4a does the Q8_0 dot products at float32 accuracy (see
   ``_x_limbs``). ``_q8_0_x_limbs`` makes the limbs once per launch (a second, tiny launch);
   every block loads its lanes' limbs from that copy instead of quantising x itself. dp4a takes
-  ~20 instructions per 16 weight bytes where the float kernel takes ~80.
+  ~20 instructions per 16 weight bytes where the float kernel takes ~80. ``q8_0_limbs`` makes
+  the limbs ahead of the GEMV (``gemv_q8_0(limbs=)``), optionally with an RMSNorm of x in the
+  same launch (``_q8_0_x_limbs_norm``, a thread an element: the decode's q_a norm before q_b,
+  a candidate that measured 0.9% slower in the step, so off by default).
 - ``_gemm_<t>_smem_tiles`` (prefill, T > 4): a shared-memory tiled SGEMM; each weight tile is
   dequantised once into shared memory and reused by a tile of tokens. On a GPU the launcher
   hands these shapes to the tensor-core GEMM of mma.py instead (bf16x3 MMAs, float32-exact to
@@ -50,8 +53,8 @@ from numba import cuda
 
 from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
 from .bench import BenchCase
-from .device import (SIMULATOR, block_sum, capture_graph, cdiv, kernel, resident_blocks, sm_count,
-                     stream_buffer, warp_sum)
+from .device import (SIMULATOR, block_sum, block_sum_warps, capture_graph, cdiv, kernel,
+                     resident_blocks, sm_count, stream_buffer, warp_sum, xor_shfl)
 from .lowbit_layout import _f32_bits
 from .qweight import QWeight
 
@@ -385,6 +388,55 @@ def _q8_0_x_limbs(xl, x):
             xl[t, XLW * c + j] = 0
 
 
+@kernel
+def _q8_0_x_limbs_norm(xl, xn, x, w, eps):
+    """One block, one row (x [1, K], K <= 1024): xn = x / sqrt(mean(x^2) + eps) * w, the
+    RMSNorm with its weight, then xl <- the limbs of xn, the same words as _q8_0_x_limbs makes
+    (``_x_limbs``' arithmetic): the decode's q_a norm and q_b's x preparation in one launch.
+
+    A thread an element, a half-warp a 16-column chunk (one chunk a thread, as _q8_0_x_limbs
+    runs, is a serial chain of 16 x 3 roundings): the chunk's max by 4 xor shuffles, each lane's
+    3 limb bytes, then each limb word ORed together over its 4 lanes (2 shuffles a limb); lane
+    4m + l (l < 3) writes limb l's word m, lane 4m + 3 the scale (m = 0) or a zero word."""
+    scratch = cuda.shared.array(1024, np.float32)  # (the simulator's shuffles and warp sums)
+    iscratch = cuda.shared.array(1024, np.int64)
+    wsum = cuda.shared.array(32, np.float32)
+    K = x.shape[1]
+    e = cuda.threadIdx.x
+    ok = e < K
+    v = x[0, min(e, K - 1)] if ok else np.float32(0)
+    inv = np.float32(1.0 / math.sqrt(block_sum_warps(v * v, scratch, wsum) / K + eps))
+    y = v * inv * w[min(e, K - 1)] if ok else np.float32(0)
+    if ok:
+        xn[0, e] = y
+    amax = abs(y)
+    for off in (8, 4, 2, 1):  # the 16 lanes of this chunk
+        amax = max(amax, xor_shfl(amax, off, scratch))
+    s1 = amax / np.float32(127)
+    s2 = s1 * _LIMB
+    s3 = s2 * _LIMB
+    i1 = np.float32(1) / s1 if amax > 0 else np.float32(0)
+    i2 = i1 * np.float32(254)
+    i3 = i2 * np.float32(254)
+    q1, r = _limb(y, s1, i1)
+    q2, r = _limb(r, s2, i2)
+    q3, r = _limb(r, s3, i3)
+    i = e % 16
+    sh = 8 * (i % 4)
+    b1, b2, b3 = (q1 & 0xFF) << sh, (q2 & 0xFF) << sh, (q3 & 0xFF) << sh
+    for off in (1, 2):  # the 4 lanes of a word
+        b1 |= xor_shfl(b1, off, iscratch)
+        b2 |= xor_shfl(b2, off, iscratch)
+        b3 |= xor_shfl(b3, off, iscratch)
+    l, m, c = i % 4, i // 4, e // 16
+    word = b1 if l == 0 else b2 if l == 1 else b3
+    if l == 3:
+        word = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
+    if ok:
+        xl[0, XLW * c + (4 * l + m if l < 3 else 12 + m)] = word - (1 << 32) if word >= 1 << 31 \
+            else word
+
+
 @cuda.jit(device=True)
 def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, SCALED):
     """Issue the R x CPL 16-byte loads (and scales) of flat rows row0 .. row0 + R - 1, without
@@ -685,10 +737,14 @@ def _wave(kern, args, threads: int, rows: int) -> int:
     return max(1, resident_blocks(kern, args, threads, simulated=2 * rows) // rows)
 
 
-def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None):
+def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None,
+            limbs=None):
     """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched" / "mma") and
     ``split_k`` (decode: warps per row; batched: K splits) override the choice; tests use them
-    to reach every path."""
+    to reach every path. ``limbs``: x's limbs already made (q8_0_limbs): the dp4a kernel alone."""
+    if limbs is not None:
+        assert x is None and ids is None and ty is _Q8_0
+        method, x = "dp4a", _LimbsOf(limbs)
     assert w.qtype == ty.qtype and x.shape[1] == w.cols and out.shape == (x.shape[0], w.rows)
     T, N, K = x.shape[0], w.rows, w.cols
     kern = _KERNELS[ty.qtype]
@@ -729,10 +785,12 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span)
         if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
             method = "dp4a"
-        if method == "dp4a":  # x -> int8 limbs once, then the GEMV (two launches)
+        if method == "dp4a" and limbs is None:  # x -> int8 limbs once, then the GEMV
             xl = stream_buffer("q8_0 x limbs", stream, (T, nchunk * XLW), np.int32)
             _q8_0_x_limbs[cdiv(T * nchunk, 128), 128, stream](xl, x)
             k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
+        elif method == "dp4a":
+            k, args = kern.dp4a, args[:3] + (limbs,) + args[4:]
         k[(min(groups, _wave(k, args, nt, rows)), rows), nt, stream](*args)
     else:
         nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
@@ -745,6 +803,48 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
                                               K, tnt, ks)
         if S > 1:
             _sum_splits[min(cdiv(T * N, 256), 4096), 256, stream](out, dest)
+
+
+class _LimbsOf(NamedTuple):
+    """The [T, K] shape of the x whose limbs ``xl`` [T, K / 16 * XLW] are (for _launch's checks)."""
+    xl: object
+
+    @property
+    def shape(self):
+        return (self.xl.shape[0], self.xl.shape[1] // XLW * 16)
+
+
+NORM_LIMBS_MAX_K = 1024  # q8_0_limbs(norm=): a thread an element, one block
+
+
+def takes_limbs(w: QWeight, norm: bool = False) -> bool:
+    """Whether the one-token GEMV of ``w`` runs the dp4a kernel (Q8_0 of >= DP4A_MIN_ELEMENTS,
+    a K the decode kernel holds; not where the simulator prefers the thread-per-row kernel):
+    then its x may come as limbs made beforehand (``q8_0_limbs``, ``gemv_q8_0(limbs=)``);
+    ``norm``: limbs made with a norm, too (``q8_0_limbs(norm=)``: K <= NORM_LIMBS_MAX_K)."""
+    if w.qtype != GGMLType.Q8_0 or (SIMULATOR and _STATE.get("sim_rows")):
+        return False
+    cpl = _decode_shape(_Q8_0, 1)[0]
+    K = w.cols
+    return (w.experts == 1 and K % 16 == 0 and K // 16 <= 32 * 32 * cpl
+            and w.rows * K >= DP4A_MIN_ELEMENTS and (not norm or K <= NORM_LIMBS_MAX_K))
+
+
+def q8_0_limbs(x, stream=0, norm=None, name: str = "q8_0 x limbs"):
+    """The int8 limbs of x float32 [T, K] that the Q8_0 dp4a GEMV reads, in a stream buffer
+    called ``name`` (another name: limbs that must outlive the next GEMV's on this stream).
+    ``norm`` (out [1, K], w [K], eps), T = 1 and K <= NORM_LIMBS_MAX_K: out = rmsnorm(x) * w,
+    and the limbs are those of out, in the same launch (``_q8_0_x_limbs_norm``)."""
+    T, K = x.shape
+    assert K % 16 == 0
+    xl = stream_buffer(name, stream, (T, K // 16 * XLW), np.int32)
+    if norm is None:
+        _q8_0_x_limbs[cdiv(T * (K // 16), 128), 128, stream](xl, x)
+        return xl
+    out, w, eps = norm
+    assert T == 1 and out.shape == x.shape and K <= NORM_LIMBS_MAX_K
+    _q8_0_x_limbs_norm[1, 32 * cdiv(K, 32), stream](xl, out, x, w, np.float32(eps))
+    return xl
 
 
 def gemv_f32(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
@@ -765,7 +865,8 @@ def gemv_bf16(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> No
 
 
 def gemv_q8_0(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
-    """As gemv_f32, Q8_0 weights."""
+    """As gemv_f32, Q8_0 weights; ``limbs=`` (x None, one token): x's limbs from q8_0_limbs,
+    the dp4a kernel alone."""
     _launch(_Q8_0, out, w, x, ids, stream, threads, **how)
 
 
@@ -814,6 +915,8 @@ def _signatures():
             "int64, int64, int64, int64, int64)"
     yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"
     yield _q8_0_x_limbs, "void(int32[:, ::1], float32[:, ::1])"
+    yield (_q8_0_x_limbs_norm,
+           "void(int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[::1], float32)")
 
 
 PTX_SIGNATURES = list(_signatures())

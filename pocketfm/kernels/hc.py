@@ -17,7 +17,9 @@ guarantees by widening the blocks (and falls back to the naive kernel for tiny D
 The decode engine passes a side stream instead (``side``): the partials then go to a
 workspace, ``_hc_pre_finish_u`` makes u on the main stream and ``_hc_pre_finish_post`` post
 and the Sinkhorn comb beside it, off the path to the sublayer (hc_post is their only reader);
-with ``norm=`` the u block also writes the sublayer's input RMSNorm (one launch fewer).
+with ``norm=`` the u block also writes the sublayer's input RMSNorm (one launch fewer), from
+u still in its registers where the block covers D in one round (V4: 1,024 threads; H100,
+2026-12-05: −1.6% a decode step against the 512-thread block that read u back).
 
 A prefill chunk passes a ``mix`` workspace instead: the mix is then ``_hc_mix_chunk``, a
 GEMM over the chunk's tokens on the CUDA cores (its N, the 24 mix rows, is too narrow for the
@@ -44,7 +46,7 @@ from ..engine.layout import HC_MIX_TOKENS, hc_mix_shape
 from ..quants import GGMLType
 from . import device
 from .bench import BenchCase
-from .device import cdiv, warp_sum
+from .device import block_sum_warps, cdiv, warp_sum
 from .gemv import gemv
 from .norm_rope import Dense, norm_row, rmsnorm
 from .qweight import QWeight
@@ -399,6 +401,19 @@ def _gather_partials(mv, part, t, rows, splits, scratch):
 
 
 @cuda.jit(device=True)
+def _u_values(uk, X, pre, t, d0, n):
+    """uk[k] = sum_{s < n} pre[s] X[t, s, d0 + k * blockDim] (d clamped to D - 1): UNROLL * n
+    loads in flight with a literal n."""
+    D, nt = X.shape[2], cuda.blockDim.x
+    for k in range(UNROLL):
+        d = min(d0 + k * nt, D - 1)
+        u = np.float32(0.0)
+        for s in range(n):
+            u += pre[s] * X[t, s, d]
+        uk[k] = u
+
+
+@cuda.jit(device=True)
 def _collapse(out_u, X, pre, t, n):
     """out_u[t, d] = sum_{s < n} pre[s] X[t, s, d] for this thread's d (block-strided);
     with a literal n the loops unroll into UNROLL * n loads in flight."""
@@ -406,12 +421,7 @@ def _collapse(out_u, X, pre, t, n):
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     uk = cuda.local.array(UNROLL, np.float32)
     for d0 in range(tid, D, nt * UNROLL):
-        for k in range(UNROLL):
-            d = min(d0 + k * nt, D - 1)
-            u = np.float32(0.0)
-            for s in range(n):
-                u += pre[s] * X[t, s, d]
-            uk[k] = u
+        _u_values(uk, X, pre, t, d0, n)
         for k in range(UNROLL):
             if d0 + k * nt < D:
                 out_u[t, d0 + k * nt] = uk[k]
@@ -485,20 +495,50 @@ def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, 
         norm_row(out_norm, out_u, norm_w, t, rms_eps, True, scratch, wsum)
 
 
+@cuda.jit(device=True)
+def _collapse_norm(out_u, out_norm, norm_w, X, pre, t, n, rms_eps, scratch, wsum):
+    """_collapse (D <= UNROLL * blockDim: one round) and out_norm[t] = rmsnorm(u) * norm_w from
+    the u values still in registers: norm_row's arithmetic (the same elements a thread, summed
+    in the same order, the same bits) without its second read of u. Every thread calls it."""
+    D = X.shape[2]
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    uk = cuda.local.array(UNROLL, np.float32)
+    _u_values(uk, X, pre, t, tid, n)
+    ss = np.float32(0.0)
+    for k in range(UNROLL):
+        if tid + k * nt < D:
+            out_u[t, tid + k * nt] = uk[k]
+            ss += uk[k] * uk[k]
+    tot = block_sum_warps(ss, scratch, wsum)
+    inv = np.float32(1.0 / math.sqrt(tot / D + rms_eps))
+    for k in range(UNROLL):
+        d = tid + k * nt
+        if d < D:
+            out_norm[t, d] = uk[k] * inv * norm_w[d]
+
+
 @device.kernel
 def _hc_pre_finish_u(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_norm, norm_w):
     """One block per token: gather the partials (part, not parked in out_u), then only the pre
     weights and u = sum_i pre_i X_i; post and comb come from _hc_pre_finish_post. With a norm
     weight (norm_w not empty) the block also writes out_norm[t] = rmsnorm(u) * norm_w, the
-    sublayer's input norm: one launch less on the decode's critical path."""
+    sublayer's input norm: one launch less on the decode's critical path. Where the block
+    covers D in one round (the decode launches V4's D = 4096 with 1024 threads), the norm takes
+    u from registers (``_collapse_norm``), else it reads u back (``norm_row``)."""
     scratch = cuda.shared.array(MAX_THREADS, np.float32)
     wsum = cuda.shared.array(32, np.float32)
     mv = cuda.shared.array(MAX_ROWS1, np.float32)
     pre = cuda.shared.array(MAX_HC, np.float32)
     t = cuda.blockIdx.x
-    hc = X.shape[1]
+    hc, D = X.shape[1], X.shape[2]
     _gather_partials(mv, part, t, (2 + hc) * hc + 1, splits, scratch)
     _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps)
+    if norm_w.shape[0] > 0 and D <= UNROLL * cuda.blockDim.x:
+        if hc == 4:
+            _collapse_norm(out_u, out_norm, norm_w, X, pre, t, 4, rms_eps, scratch, wsum)
+        else:
+            _collapse_norm(out_u, out_norm, norm_w, X, pre, t, hc, rms_eps, scratch, wsum)
+        return
     _collapse_pre(out_u, X, pre, t)
     if norm_w.shape[0] > 0:
         cuda.syncthreads()  # the block's writes of out_u[t] are visible to all its threads
@@ -595,6 +635,17 @@ def _finish_threads(D: int, threads=None) -> int:
     return _threads(threads, min(FINISH_THREADS, 32 * cdiv(D // UNROLL, 32)))
 
 
+def _u_threads(args, D: int, threads=None) -> int:
+    """Block size of _hc_pre_finish_u: D in one round, UNROLL u values a thread (V4: 1024
+    threads, which also gives each of its 25 partial rows a warp of its own), where the compiled
+    kernel's registers allow that many (sm_90: 64, exactly a 1,024-thread block's share; with
+    more it falls back), else _finish_threads'."""
+    if threads:
+        return _threads(threads, 0)
+    nt = min(MAX_THREADS, 32 * cdiv(D // UNROLL, 32))
+    return nt if device.resident_blocks(_hc_pre_finish_u, args, nt) else _finish_threads(D)
+
+
 def _threads(threads, default):
     nt = threads or default
     assert nt % 32 == 0 and nt <= MAX_THREADS, "block size: a multiple of 32, at most 1024"
@@ -620,7 +671,8 @@ def _mix(dest, X, fn, rows, stream, threads, post_from=None):
 
 
 def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
-           threads=None, naive=False, mix=None, side=None, norm=None, post_from=None) -> None:
+           threads=None, naive=False, mix=None, side=None, norm=None, post_from=None,
+           u_threads=None) -> None:
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
@@ -639,7 +691,10 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
 
     ``post_from`` (f, X_prev, post, comb): the previous sublayer's HC post is still to be done;
     X is first written as hc_post(X, f, X_prev, post, comb). With ``side`` that is the mix's
-    own launch (the decode: one launch fewer a sublayer), else an hc_post launch before."""
+    own launch (the decode: one launch fewer a sublayer), else an hc_post launch before.
+
+    ``u_threads`` (with ``side``): the block size of _hc_pre_finish_u instead of its own choice
+    (``_u_threads``); an A/B of the decode step."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
@@ -664,8 +719,8 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
         _hc_pre_finish_post[T, 128, side.fork(stream)](out_post, out_comb, X, part, base, scale,
                                                        *eps, splits)
         out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
-        _hc_pre_finish_u[T, nf, stream](out_u, X, part, base, scale, *eps[:2], splits, out_norm,
-                                        norm_w)
+        args = (out_u, X, part, base, scale, *eps[:2], splits, out_norm, norm_w)
+        _hc_pre_finish_u[T, _u_threads(args, D, u_threads or threads), stream](*args)
         return
     splits = None if naive else _mix(out_u, X, fn, M, stream, threads)
     if splits is None:

@@ -90,6 +90,49 @@ def test_kernel_matches_reference(name, method, E, N, K, T, with_ids, split_k):
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
 
 
+@pytest.mark.parametrize("K", [256, 1024, 96])
+def test_q8_0_limbs_with_the_norm_then_the_dp4a_kernel(K):
+    """q8_0_limbs(norm=): x's RMSNorm (with its weight) written out and its limbs in one launch
+    (a thread an element), then gemv_q8_0(limbs=) runs the dp4a kernel alone on them: both
+    against NumPy, and the limb words are exactly those _q8_0_x_limbs makes of the normed x.
+    K = 96: three warps (Q8_0 rows are whole 32-blocks)."""
+    from pocketfm.kernels.norm_rope import rmsnorm_ref
+
+    rng = fresh_rng()
+    N = 9
+    w, x, _, _ = _case("q8_0", 1, N, K, 1, False, rng)
+    nw = rng.standard_normal(K).astype(np.float32)
+    ref_n = np.empty((1, K))
+    rmsnorm_ref(ref_n, x.astype(np.float64), nw.astype(np.float64), 1e-6, True)
+    ref = np.empty((1, N))
+    gemv.gemv_q8_0_ref(ref, w, ref_n)
+    xn, out = poisoned((1, K)), poisoned((1, N))
+    xl = gemv.q8_0_limbs(cuda.to_device(x), norm=(xn, cuda.to_device(nw), 1e-6),
+                         name="test limbs")
+    gemv.gemv_q8_0(out, w.to_device(), None, limbs=xl, threads=THREADS)
+    assert rel_err(xn.copy_to_host(), ref_n) <= 1e-5
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
+    plain = gemv.q8_0_limbs(xn, name="test limbs, plain")
+    assert np.array_equal(xl.copy_to_host(), plain.copy_to_host())
+
+
+def test_takes_limbs_only_for_the_dp4a_kernel(monkeypatch):
+    """The decode folds its q_a norm into q_b's limbs only where q_b runs the dp4a kernel."""
+    monkeypatch.setitem(gemv._STATE, "sim_rows", False)  # (an engine test may have set it)
+
+    def q(rows, cols, qtype=GGMLType.Q8_0, E=1):
+        return gemv.QWeight(qtype, rows, cols, E, ())
+    big = gemv.DP4A_MIN_ELEMENTS // 1024
+    assert gemv.takes_limbs(q(big, 1024))
+    assert not gemv.takes_limbs(q(big // 2, 1024))  # under the dp4a size: the float kernel
+    assert not gemv.takes_limbs(q(big, 1024, GGMLType.F16))
+    assert not gemv.takes_limbs(q(big, 1024, E=8))  # expert-indexed
+    assert gemv.takes_limbs(q(big, 1024), norm=True)  # V4-Flash's q_b: K = 1024
+    assert gemv.takes_limbs(q(big // 2, 2048)) and not gemv.takes_limbs(q(big // 2, 2048), True)
+    monkeypatch.setitem(gemv._STATE, "sim_rows", gemv.SIMULATOR)
+    assert gemv.takes_limbs(q(big, 1024)) != gemv.SIMULATOR  # the simulated engine: rows
+
+
 def test_dispatcher_picks_by_tokens_and_type():
     rng = fresh_rng()
     for T in (2, 5):  # decode kernel, then the tiled GEMM

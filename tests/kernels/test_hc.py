@@ -57,15 +57,18 @@ def test_hc_pre_with_side_stream(HC):
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
 
 
-@pytest.mark.parametrize("path", ["side", "split", "naive", "mix"])
-def test_hc_pre_with_the_input_norm(path):
+@pytest.mark.parametrize("path,D", [("side", 256), ("side", 4 * THREADS), ("side", 4 * THREADS - 8),
+                                    ("split", 256), ("naive", 256), ("mix", 256)])
+def test_hc_pre_with_the_input_norm(path, D):
     """``norm=``: u's RMSNorm with the sublayer's weight too (fused into the u block on the
-    side-stream path, a launch after it on the others); u itself is still written."""
+    side-stream path, a launch after it on the others); u itself is still written. On the side
+    path D <= 4 x the block's threads takes the norm from u in registers (_collapse_norm), a
+    wider D reads u back."""
     from pocketfm.kernels import device
     from pocketfm.kernels.norm_rope import rmsnorm_ref
 
     rng = fresh_rng()
-    HC, T, D = 4, 2, 256
+    HC, T = 4, 2
     M = (2 + HC) * HC
     X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
     w = rng.standard_normal(D).astype(np.float32)
