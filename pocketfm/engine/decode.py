@@ -40,7 +40,8 @@ from ..kernels import device
 from ..kernels.attention import attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import gemv, gemv_q8_0, q8_0_limbs, simulator_prefers_rows, takes_limbs
+from ..kernels.gemv import (gemv, gemv_q8_0, limbs_kernel, q8_0_limbs, simulator_prefers_rows,
+                            takes_limbs)
 from ..kernels.hc import hc_head, hc_post, hc_pre
 from ..kernels.indexer import indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
@@ -144,14 +145,16 @@ class DecodeEngine:
         # HC pre's u block: None, its own choice (V4: 1024 threads, the norm from registers);
         # 512: the block before that (two-pass norm), for bench --decode-ab
         self.hc_u_threads = None
+        # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
+        self.limbs_by_words = True
         if device.SIMULATOR:
             simulator_prefers_rows()
 
     @contextlib.contextmanager
     def settings(self, **values):
-        """These attributes (branches, fold_q_a_norm, hc_u_threads) set while inside, as they
-        were after it; the step is captured anew under each (an A/B of the step; an unknown name
-        raises AttributeError)."""
+        """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words) set while
+        inside, as they were after it; the step is captured anew under each (an A/B of the step;
+        an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -214,6 +217,10 @@ class DecodeEngine:
     # ---- one step -------------------------------------------------------------------------------
     def launch_step(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
         """Launch one decode step on the engine's stream (no host sync)."""
+        with limbs_kernel("words" if self.limbs_by_words else "serial"):
+            self._launch_step(temperature, top_p)
+
+    def _launch_step(self, temperature: float, top_p: float) -> None:
         cfg, s, w = self.cfg, self.stream, self.w
         nt, sim = self.nt, self.sim
         sk.begin_step(self.meta, self.ids, self.token, self.u, self.uniforms, self.ratio_arr,

@@ -45,6 +45,7 @@ kernel); F32 74%, F16 / BF16 54% at 4096 x 4096. Naive Q8_0: 20%.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -336,12 +337,7 @@ def _x_limbs(x, t, base, ok):
     if ok:
         for i in range(16):
             amax = max(amax, abs(x[t, base + i]))
-    s1 = amax / np.float32(127)
-    s2 = s1 * _LIMB
-    s3 = s2 * _LIMB
-    i1 = np.float32(1) / s1 if amax > 0 else np.float32(0)  # multiply, not divide, per element
-    i2 = i1 * np.float32(254)
-    i3 = i2 * np.float32(254)
+    s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
     for m in range(4):
         a1, a2, a3 = 0, 0, 0
         for k in range(4):
@@ -357,6 +353,17 @@ def _x_limbs(x, t, base, ok):
         words[8 + m] = a3 - (1 << 32) if a3 >= 1 << 31 else a3
     return ((words[0], words[1], words[2], words[3], words[4], words[5], words[6], words[7],
              words[8], words[9], words[10], words[11]), (s1, s2, s3))
+
+
+@cuda.jit(device=True)
+def _limb_scales(amax):
+    """(s1, s2, s3, i1, i2, i3): the three limbs' scales of a chunk whose largest |x| is amax,
+    and their inverses (multiplied, not divided, per element; 0 for an all-zero chunk)."""
+    s1 = amax / np.float32(127)
+    s2 = s1 * _LIMB
+    s3 = s2 * _LIMB
+    i1 = np.float32(1) / s1 if amax > 0 else np.float32(0)
+    return s1, s2, s3, i1, i1 * np.float32(254), i1 * np.float32(254) * np.float32(254)
 
 
 @cuda.jit(device=True)
@@ -389,6 +396,67 @@ def _q8_0_x_limbs(xl, x):
 
 
 @kernel
+def _q8_0_x_limbs_words(xl, x):
+    """xl as _q8_0_x_limbs makes it (the same words: ``_x_limbs``' arithmetic), four threads a
+    16-column chunk instead of one: thread m takes elements 4m .. 4m+3 and writes word m of each
+    limb (and word 12 + m: the scale, or a zero); the chunk's max by 2 xor shuffles over the
+    four. A thread's serial chain is 4 elements' 3 roundings, not 16's (decode: the x of
+    attn_output_a / _b, q_b, the shared expert)."""
+    scratch = cuda.shared.array(1024, np.float32)  # (the simulator's shuffles)
+    T, K = x.shape
+    nchunk = K // 16
+    total = T * nchunk * 4
+    j = min(cuda.grid(1), total - 1)  # (past the end: a copy of the last thread, not written)
+    m, c, t = j % 4, j // 4 % nchunk, j // (4 * nchunk)
+    base = 16 * c + 4 * m
+    amax = np.float32(0)
+    for k in range(4):
+        amax = max(amax, abs(x[t, base + k]))
+    amax = max(amax, xor_shfl(amax, 1, scratch))
+    amax = max(amax, xor_shfl(amax, 2, scratch))
+    s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
+    a1, a2, a3 = 0, 0, 0
+    for k in range(4):
+        q1, r = _limb(x[t, base + k], s1, i1)
+        q2, r = _limb(r, s2, i2)
+        q3, r = _limb(r, s3, i3)
+        a1 += (q1 & 0xFF) << (8 * k)
+        a2 += (q2 & 0xFF) << (8 * k)
+        a3 += (q3 & 0xFF) << (8 * k)
+    if cuda.grid(1) < total:
+        o = XLW * c
+        xl[t, o + m] = a1 - (1 << 32) if a1 >= 1 << 31 else a1
+        xl[t, o + 4 + m] = a2 - (1 << 32) if a2 >= 1 << 31 else a2
+        xl[t, o + 8 + m] = a3 - (1 << 32) if a3 >= 1 << 31 else a3
+        xl[t, o + 12 + m] = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
+
+
+def _make_limbs(xl, x, stream) -> None:
+    """x float32 [T, K] -> its limbs xl, by _q8_0_x_limbs_words (four threads a chunk), or
+    with ``limbs_kernel("serial")`` in force by _q8_0_x_limbs (one): the same words."""
+    T, K = x.shape
+    n = T * (K // 16)
+    if _STATE.get("limbs") == "serial":
+        _q8_0_x_limbs[cdiv(n, 128), 128, stream](xl, x)
+    else:
+        _q8_0_x_limbs_words[cdiv(4 * n, 128), 128, stream](xl, x)
+
+
+@contextlib.contextmanager
+def limbs_kernel(name: str):
+    """Which kernel makes x's limbs for the Q8_0 dp4a GEMVs launched inside: "words" (four
+    threads a chunk, the default) or "serial" (a thread a chunk): an A/B (the decode engine's
+    ``limbs_by_words``)."""
+    assert name in ("words", "serial")
+    before = _STATE.get("limbs")
+    _STATE["limbs"] = name
+    try:
+        yield
+    finally:
+        _STATE["limbs"] = before
+
+
+@kernel
 def _q8_0_x_limbs_norm(xl, xn, x, w, eps):
     """One block, one row (x [1, K], K <= 1024): xn = x / sqrt(mean(x^2) + eps) * w, the
     RMSNorm with its weight, then xl <- the limbs of xn, the same words as _q8_0_x_limbs makes
@@ -412,12 +480,7 @@ def _q8_0_x_limbs_norm(xl, xn, x, w, eps):
     amax = abs(y)
     for off in (8, 4, 2, 1):  # the 16 lanes of this chunk
         amax = max(amax, xor_shfl(amax, off, scratch))
-    s1 = amax / np.float32(127)
-    s2 = s1 * _LIMB
-    s3 = s2 * _LIMB
-    i1 = np.float32(1) / s1 if amax > 0 else np.float32(0)
-    i2 = i1 * np.float32(254)
-    i3 = i2 * np.float32(254)
+    s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
     q1, r = _limb(y, s1, i1)
     q2, r = _limb(r, s2, i2)
     q3, r = _limb(r, s3, i3)
@@ -787,7 +850,7 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
             method = "dp4a"
         if method == "dp4a" and limbs is None:  # x -> int8 limbs once, then the GEMV
             xl = stream_buffer("q8_0 x limbs", stream, (T, nchunk * XLW), np.int32)
-            _q8_0_x_limbs[cdiv(T * nchunk, 128), 128, stream](xl, x)
+            _make_limbs(xl, x, stream)
             k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
         elif method == "dp4a":
             k, args = kern.dp4a, args[:3] + (limbs,) + args[4:]
@@ -839,7 +902,7 @@ def q8_0_limbs(x, stream=0, norm=None, name: str = "q8_0 x limbs"):
     assert K % 16 == 0
     xl = stream_buffer(name, stream, (T, K // 16 * XLW), np.int32)
     if norm is None:
-        _q8_0_x_limbs[cdiv(T * (K // 16), 128), 128, stream](xl, x)
+        _make_limbs(xl, x, stream)
         return xl
     out, w, eps = norm
     assert T == 1 and out.shape == x.shape and K <= NORM_LIMBS_MAX_K
@@ -915,6 +978,7 @@ def _signatures():
             "int64, int64, int64, int64, int64)"
     yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"
     yield _q8_0_x_limbs, "void(int32[:, ::1], float32[:, ::1])"
+    yield _q8_0_x_limbs_words, "void(int32[:, ::1], float32[:, ::1])"
     yield (_q8_0_x_limbs_norm,
            "void(int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[::1], float32)")
 

@@ -116,6 +116,22 @@ def test_q8_0_limbs_with_the_norm_then_the_dp4a_kernel(K):
     assert np.array_equal(xl.copy_to_host(), plain.copy_to_host())
 
 
+@pytest.mark.parametrize("T,K", [(1, 4096), (2, 96), (3, 1024)])
+def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
+    """_q8_0_x_limbs_words (the default) writes exactly the words of _q8_0_x_limbs (a thread a
+    chunk): values over several magnitudes, an all-zero chunk (scale 0) included."""
+    rng = fresh_rng()
+    x = (rng.standard_normal((T, K)) * np.exp(rng.uniform(-8, 8, (T, K)))).astype(np.float32)
+    x[0, 16:32] = 0
+    xd = cuda.to_device(x)
+    words = {}
+    for name in ("serial", "words"):
+        with gemv.limbs_kernel(name):
+            words[name] = gemv.q8_0_limbs(xd, name=f"test limbs {name}").copy_to_host()
+    assert np.array_equal(words["words"], words["serial"])
+    assert words["words"][0, gemv.XLW + 12] == 0  # the zero chunk's scale
+
+
 def test_takes_limbs_only_for_the_dp4a_kernel(monkeypatch):
     """The decode folds its q_a norm into q_b's limbs only where q_b runs the dp4a kernel."""
     monkeypatch.setitem(gemv._STATE, "sim_rows", False)  # (an engine test may have set it)
