@@ -122,8 +122,8 @@ def test_engine_with_memory_indexer_matches_numpy(micro_path, tmp_path, mode):
 def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
     """The flash geometry's first 4 layers (window-only, CSA: q_b on its side stream, HCA;
     synthetic weights in the ds4 type mix, caches filled to 4,096): one step with the q_a norm
-    inside q_b's limbs launch, the same step with the norm as its own launch (only the norm's
-    summation order differs)."""
+    inside q_b's limbs launch (on every layer, then off the CSA layers), the same step with the
+    norm as its own launch (only the norm's summation order differs)."""
     from pocketfm.engine.bench import fill_caches
     from pocketfm.engine.decode import DecodeEngine
     from pocketfm.engine.synthetic_weights import SyntheticSource
@@ -137,10 +137,11 @@ def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
     assert takes_limbs(eng.w.layers[0].q_b, norm=True)
     fill_caches(eng, 4096)
     logits = {}
-    for fold in (True, False):
+    for fold in (True, "non-csa", False):
         with eng.settings(fold_q_a_norm=fold):
             eng.set_position(4096)
             eng.step(graph=False)
             logits[fold] = eng.read_logits()
-    rel = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
-    assert rel <= 1e-4, rel
+    for fold in (True, "non-csa"):
+        rel = np.linalg.norm(logits[fold] - logits[False]) / np.linalg.norm(logits[False])
+        assert rel <= 1e-4, (fold, rel)

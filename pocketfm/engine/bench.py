@@ -241,10 +241,13 @@ def _decode_variants() -> dict:
     """What ``bench --decode-ab`` times against the step as landed: DecodeEngine settings that
     undo one change each (the side streams; HC pre's u block of 1,024 threads with the norm
     from registers; the dp4a GEMVs' x limbs four threads a chunk) or try a candidate (the q_a
-    norm folded into q_b's x limbs: 8.04 against 7.97 ms, H100, 30 layers, 2026-12-05, so off). HC pre's mix and u in one launch (the last
-    block to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped."""
+    norm folded into q_b's x limbs, on every layer or off the CSA layers: its first build, a
+    thread an element, measured 8.04 against 7.97 ms, H100, 30 layers, 2026-12-05, so off).
+    HC pre's mix and u in one launch (the last block to finish making u) was a candidate too,
+    8.30 against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded into q_b's limbs": dict(fold_q_a_norm=True),
+            "q_a norm folded on non-CSA layers": dict(fold_q_a_norm="non-csa"),
             "HC pre's u block of 512 threads": dict(hc_u_threads=512),
             "x limbs a thread a chunk": dict(limbs_by_words=False)}
 

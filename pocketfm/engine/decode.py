@@ -140,7 +140,8 @@ class DecodeEngine:
         self.side, self.branches = device.SideStream(), True
         self.side_q, self.side_idx = device.SideStream(), device.SideStream()
         # candidate (bench --decode-ab): the q_a norm inside q_b's x preparation, where q_b
-        # takes the dp4a kernel (one launch fewer on an HCA layer's query path)
+        # takes the dp4a kernel (one launch fewer on an HCA layer's query path): True, or
+        # "non-csa" (not where q_b runs beside the indexer, whose path the fold would lengthen)
         self.fold_q_a_norm = False
         # HC pre's u block: None, its own choice (V4: 1024 threads, the norm from registers);
         # 512: the block before that (two-pass norm), for bench --decode-ab
@@ -279,7 +280,9 @@ class DecodeEngine:
                             stream=s2, threads=nt, rowmap=rowmap)
         gemv(self.cq, L.q_a, u, None, s, threads=nt)
         limbs = None  # q_b's x as int8 limbs, made with the q_a norm in one launch (dp4a q_b)
-        if self.fold_q_a_norm and takes_limbs(L.q_b, norm=True):
+        fold = self.fold_q_a_norm is True or (self.fold_q_a_norm == "non-csa"
+                                                and not cfg.is_csa(i))
+        if fold and takes_limbs(L.q_b, norm=True):
             limbs = q8_0_limbs(self.cq, s, norm=(self.cq_norm, L.q_a_norm, eps), name="q_b limbs")
         else:
             rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)

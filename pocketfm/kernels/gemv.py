@@ -27,8 +27,8 @@ Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one
   every block loads its lanes' limbs from that copy instead of quantising x itself. dp4a takes
   ~20 instructions per 16 weight bytes where the float kernel takes ~80. ``q8_0_limbs`` makes
   the limbs ahead of the GEMV (``gemv_q8_0(limbs=)``), optionally with an RMSNorm of x in the
-  same launch (``_q8_0_x_limbs_norm``, a thread an element: the decode's q_a norm before q_b,
-  a candidate that measured 0.9% slower in the step, so off by default).
+  same launch (``_q8_0_x_limbs_norm``: the decode's q_a norm before q_b, a candidate, off; its
+  first build, a thread an element, measured 0.9% slower in the step).
 - ``_gemm_<t>_smem_tiles`` (prefill, T > 4): a shared-memory tiled SGEMM; each weight tile is
   dequantised once into shared memory and reused by a tile of tokens. On a GPU the launcher
   hands these shapes to the tensor-core GEMM of mma.py instead (bf16x3 MMAs, float32-exact to
@@ -395,40 +395,49 @@ def _q8_0_x_limbs(xl, x):
             xl[t, XLW * c + j] = 0
 
 
-@kernel
-def _q8_0_x_limbs_words(xl, x):
-    """xl as _q8_0_x_limbs makes it (the same words: ``_x_limbs``' arithmetic), four threads a
-    16-column chunk instead of one: thread m takes elements 4m .. 4m+3 and writes word m of each
-    limb (and word 12 + m: the scale, or a zero); the chunk's max by 2 xor shuffles over the
-    four. A thread's serial chain is 4 elements' 3 roundings, not 16's (decode: the x of
-    attn_output_a / _b, q_b, the shared expert)."""
-    scratch = cuda.shared.array(1024, np.float32)  # (the simulator's shuffles)
-    T, K = x.shape
-    nchunk = K // 16
-    total = T * nchunk * 4
-    j = min(cuda.grid(1), total - 1)  # (past the end: a copy of the last thread, not written)
-    m, c, t = j % 4, j // 4 % nchunk, j // (4 * nchunk)
-    base = 16 * c + 4 * m
+@cuda.jit(device=True)
+def _chunk_words(xl, t, c, m, vals, scratch, ok):
+    """Thread m of the four (consecutive lanes) of 16-column chunk c of token t holds the
+    chunk's elements 4m .. 4m+3 in vals: the chunk's max by 2 xor shuffles over the four, the
+    3 limbs of its elements (``_x_limbs``' arithmetic), and, if ok, word m of each limb and
+    word 12 + m (the scale, or a zero) into xl. Every thread of the block calls it."""
     amax = np.float32(0)
     for k in range(4):
-        amax = max(amax, abs(x[t, base + k]))
+        amax = max(amax, abs(vals[k]))
     amax = max(amax, xor_shfl(amax, 1, scratch))
     amax = max(amax, xor_shfl(amax, 2, scratch))
     s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
     a1, a2, a3 = 0, 0, 0
     for k in range(4):
-        q1, r = _limb(x[t, base + k], s1, i1)
+        q1, r = _limb(vals[k], s1, i1)
         q2, r = _limb(r, s2, i2)
         q3, r = _limb(r, s3, i3)
         a1 += (q1 & 0xFF) << (8 * k)
         a2 += (q2 & 0xFF) << (8 * k)
         a3 += (q3 & 0xFF) << (8 * k)
-    if cuda.grid(1) < total:
+    if ok:
         o = XLW * c
         xl[t, o + m] = a1 - (1 << 32) if a1 >= 1 << 31 else a1
         xl[t, o + 4 + m] = a2 - (1 << 32) if a2 >= 1 << 31 else a2
         xl[t, o + 8 + m] = a3 - (1 << 32) if a3 >= 1 << 31 else a3
         xl[t, o + 12 + m] = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
+
+
+@kernel
+def _q8_0_x_limbs_words(xl, x):
+    """xl as _q8_0_x_limbs makes it (the same words), four threads a 16-column chunk instead of
+    one (``_chunk_words``): a thread's serial chain is 4 elements' 3 roundings, not 16's
+    (decode: the x of attn_output_a / _b, q_b, the shared expert)."""
+    scratch = cuda.shared.array(1024, np.float32)  # (the simulator's shuffles)
+    vals = cuda.local.array(4, np.float32)
+    T, K = x.shape
+    nchunk = K // 16
+    total = T * nchunk * 4
+    j = min(cuda.grid(1), total - 1)  # (past the end: a copy of the last thread, not written)
+    m, c, t = j % 4, j // 4 % nchunk, j // (4 * nchunk)
+    for k in range(4):
+        vals[k] = x[t, 16 * c + 4 * m + k]
+    _chunk_words(xl, t, c, m, vals, scratch, cuda.grid(1) < total)
 
 
 def _make_limbs(xl, x, stream) -> None:
@@ -458,46 +467,30 @@ def limbs_kernel(name: str):
 
 @kernel
 def _q8_0_x_limbs_norm(xl, xn, x, w, eps):
-    """One block, one row (x [1, K], K <= 1024): xn = x / sqrt(mean(x^2) + eps) * w, the
-    RMSNorm with its weight, then xl <- the limbs of xn, the same words as _q8_0_x_limbs makes
-    (``_x_limbs``' arithmetic): the decode's q_a norm and q_b's x preparation in one launch.
-
-    A thread an element, a half-warp a 16-column chunk (one chunk a thread, as _q8_0_x_limbs
-    runs, is a serial chain of 16 x 3 roundings): the chunk's max by 4 xor shuffles, each lane's
-    3 limb bytes, then each limb word ORed together over its 4 lanes (2 shuffles a limb); lane
-    4m + l (l < 3) writes limb l's word m, lane 4m + 3 the scale (m = 0) or a zero word."""
+    """One block, one row (x [1, K], K <= NORM_LIMBS_MAX_K): xn = x / sqrt(mean(x^2) + eps) * w,
+    the RMSNorm with its weight, then xl <- the limbs of xn, the same words as _q8_0_x_limbs
+    makes of it: the decode's q_a norm and q_b's x preparation in one launch (a candidate).
+    Four threads a 16-column chunk (``_chunk_words``), each holding its 4 elements from the
+    load through the norm to the limbs."""
     scratch = cuda.shared.array(1024, np.float32)  # (the simulator's shuffles and warp sums)
-    iscratch = cuda.shared.array(1024, np.int64)
     wsum = cuda.shared.array(32, np.float32)
+    vals = cuda.local.array(4, np.float32)
     K = x.shape[1]
-    e = cuda.threadIdx.x
-    ok = e < K
-    v = x[0, min(e, K - 1)] if ok else np.float32(0)
-    inv = np.float32(1.0 / math.sqrt(block_sum_warps(v * v, scratch, wsum) / K + eps))
-    y = v * inv * w[min(e, K - 1)] if ok else np.float32(0)
-    if ok:
-        xn[0, e] = y
-    amax = abs(y)
-    for off in (8, 4, 2, 1):  # the 16 lanes of this chunk
-        amax = max(amax, xor_shfl(amax, off, scratch))
-    s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
-    q1, r = _limb(y, s1, i1)
-    q2, r = _limb(r, s2, i2)
-    q3, r = _limb(r, s3, i3)
-    i = e % 16
-    sh = 8 * (i % 4)
-    b1, b2, b3 = (q1 & 0xFF) << sh, (q2 & 0xFF) << sh, (q3 & 0xFF) << sh
-    for off in (1, 2):  # the 4 lanes of a word
-        b1 |= xor_shfl(b1, off, iscratch)
-        b2 |= xor_shfl(b2, off, iscratch)
-        b3 |= xor_shfl(b3, off, iscratch)
-    l, m, c = i % 4, i // 4, e // 16
-    word = b1 if l == 0 else b2 if l == 1 else b3
-    if l == 3:
-        word = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
-    if ok:
-        xl[0, XLW * c + (4 * l + m if l < 3 else 12 + m)] = word - (1 << 32) if word >= 1 << 31 \
-            else word
+    ok = cuda.threadIdx.x < K // 4
+    j = min(cuda.threadIdx.x, K // 4 - 1)
+    ss = np.float32(0)
+    for k in range(4):
+        v = x[0, 4 * j + k]
+        vals[k] = v
+        ss += v * v
+    inv = np.float32(1.0 / math.sqrt(block_sum_warps(ss if ok else np.float32(0), scratch, wsum)
+                                     / K + eps))
+    for k in range(4):
+        y = vals[k] * inv * w[4 * j + k]
+        vals[k] = y
+        if ok:
+            xn[0, 4 * j + k] = y
+    _chunk_words(xl, 0, j // 4, j % 4, vals, scratch, ok)
 
 
 @cuda.jit(device=True)
@@ -877,7 +870,7 @@ class _LimbsOf(NamedTuple):
         return (self.xl.shape[0], self.xl.shape[1] // XLW * 16)
 
 
-NORM_LIMBS_MAX_K = 1024  # q8_0_limbs(norm=): a thread an element, one block
+NORM_LIMBS_MAX_K = 4096  # q8_0_limbs(norm=): four elements a thread, one block
 
 
 def takes_limbs(w: QWeight, norm: bool = False) -> bool:
@@ -906,7 +899,7 @@ def q8_0_limbs(x, stream=0, norm=None, name: str = "q8_0 x limbs"):
         return xl
     out, w, eps = norm
     assert T == 1 and out.shape == x.shape and K <= NORM_LIMBS_MAX_K
-    _q8_0_x_limbs_norm[1, 32 * cdiv(K, 32), stream](xl, out, x, w, np.float32(eps))
+    _q8_0_x_limbs_norm[1, 32 * cdiv(K // 4, 32), stream](xl, out, x, w, np.float32(eps))
     return xl
 
 

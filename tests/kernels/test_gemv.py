@@ -90,12 +90,12 @@ def test_kernel_matches_reference(name, method, E, N, K, T, with_ids, split_k):
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
 
 
-@pytest.mark.parametrize("K", [256, 1024, 96])
+@pytest.mark.parametrize("K", [256, 4096, 96])
 def test_q8_0_limbs_with_the_norm_then_the_dp4a_kernel(K):
     """q8_0_limbs(norm=): x's RMSNorm (with its weight) written out and its limbs in one launch
-    (a thread an element), then gemv_q8_0(limbs=) runs the dp4a kernel alone on them: both
-    against NumPy, and the limb words are exactly those _q8_0_x_limbs makes of the normed x.
-    K = 96: three warps (Q8_0 rows are whole 32-blocks)."""
+    (four elements a thread), then gemv_q8_0(limbs=) runs the dp4a kernel alone on them: both
+    against NumPy, and the limb words are exactly those q8_0_limbs makes of the normed x.
+    K = 96: 24 threads, a warp not all busy; 4096: the largest K (1,024 threads)."""
     from pocketfm.kernels.norm_rope import rmsnorm_ref
 
     rng = fresh_rng()
@@ -144,7 +144,7 @@ def test_takes_limbs_only_for_the_dp4a_kernel(monkeypatch):
     assert not gemv.takes_limbs(q(big, 1024, GGMLType.F16))
     assert not gemv.takes_limbs(q(big, 1024, E=8))  # expert-indexed
     assert gemv.takes_limbs(q(big, 1024), norm=True)  # V4-Flash's q_b: K = 1024
-    assert gemv.takes_limbs(q(big // 2, 2048)) and not gemv.takes_limbs(q(big // 2, 2048), True)
+    assert gemv.takes_limbs(q(big // 8, 8192)) and not gemv.takes_limbs(q(big // 8, 8192), True)
     monkeypatch.setitem(gemv._STATE, "sim_rows", gemv.SIMULATOR)
     assert gemv.takes_limbs(q(big, 1024)) != gemv.SIMULATOR  # the simulated engine: rows
 
