@@ -6,7 +6,8 @@
 
 Must run WITHOUT the simulator (``NUMBA_ENABLE_CUDASIM`` unset or 0), in its own process: the
 simulator and the compiler cannot share one. Needs the nvidia-nvvm, nvidia-cuda-nvrtc and
-nvidia-nvjitlink wheels (the ``[ptx]`` extra): each kernel's PTX is also assembled (nvJitLink).
+nvidia-nvjitlink wheels (the ``[ptx]`` extra): each kernel's PTX is also assembled (nvJitLink),
+and a kernel with a register budget (its module's ``REGISTER_BUDGETS``) checked against it.
 With programmatic dependent launch on (pdl.py; the default outside the simulator) each kernel's
 PTX must also wait for its predecessor before its first global memory access.
 """
@@ -82,10 +83,46 @@ def nvjitlink_missing() -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def _assemble(ptx: str, name: str) -> str | None:
+EIATTR_REGCOUNT = 0x2F  # an .nv.info attribute: (function symbol, registers), format 4 (sized)
+
+
+def cubin_registers(cubin: bytes) -> int:
+    """The most registers any function of an sm_90 ``cubin`` (ELF) uses, from its .nv.info
+    sections' EIATTR_REGCOUNT entries (what ``ptxas -v`` prints as "Used N registers")."""
+    import struct
+
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+             for i in range(shnum)]
+    names = heads[shstrndx][4]
+    most = 0
+    for h in heads:
+        name = cubin[names + h[0]:cubin.index(b"\0", names + h[0])]
+        if not name.startswith(b".nv.info"):
+            continue
+        data, i = cubin[h[4]:h[4] + h[5]], 0
+        while i + 4 <= len(data):
+            fmt, attr, size = data[i], data[i + 1], struct.unpack_from("<H", data, i + 2)[0]
+            if fmt == 4 and attr == EIATTR_REGCOUNT:
+                most = max(most, struct.unpack_from("<I", data, i + 8)[0])
+            i += 4 + (size if fmt == 4 else 0)
+    return most
+
+
+def register_budget(kern):
+    """(most registers, why) that ``kern``'s module promises for it (its ``REGISTER_BUDGETS``,
+    kernel -> (n, why)), or None: a kernel whose launcher relies on a block size only so few
+    registers allow, and would fall back without a word if a change grew it."""
+    fn = getattr(kern, "source_fn", None) or kern.py_func
+    return getattr(sys.modules.get(fn.__module__), "REGISTER_BUDGETS", {}).get(kern)
+
+
+def _assemble(ptx: str, name: str, budget=None) -> str | None:
     """Assemble ``ptx`` for sm_90 with nvJitLink (ptxas inside): None, or the first line of its
     error log. NVVM can emit PTX that ptxas refuses (a branch to a label it never defined,
-    2026-12-02): compiling to PTX alone would pass such a kernel."""
+    2026-12-02): compiling to PTX alone would pass such a kernel. ``budget`` (n, why): also an
+    error where the assembled kernel uses more than n registers."""
     from cuda.bindings import nvjitlink
 
     data = ptx.encode()
@@ -93,6 +130,12 @@ def _assemble(ptx: str, name: str) -> str | None:
     try:
         nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), name)
         nvjitlink.complete(h)
+        if budget is not None:
+            cubin = bytearray(nvjitlink.get_linked_cubin_size(h))
+            nvjitlink.get_linked_cubin(h, cubin)
+            used = cubin_registers(bytes(cubin))
+            if used > budget[0]:
+                return f"uses {used} registers, its budget is {budget[0]} ({budget[1]})"
         return None
     except nvjitlink.nvJitLinkError as e:
         log = bytearray(max(1, nvjitlink.get_error_log_size(h)))
@@ -141,7 +184,8 @@ def main(argv=None) -> int:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             failed.append(f"{fam}.{name} {sig}: {first}")
             continue
-        wrong = (pdl.check_prologue(ptx) if pdl.ENABLED else None) or _assemble(ptx, name)
+        wrong = ((pdl.check_prologue(ptx) if pdl.ENABLED else None)
+                 or _assemble(ptx, name, register_budget(kern)))
         if wrong:
             failed.append(f"{fam}.{name} {sig}: {wrong}")
     for f in failed:

@@ -57,3 +57,21 @@ def test_assembling_catches_ptx_that_ptxas_refuses():
     assert _assemble(PTX_HEAD + "$L__ok:\n\tbra.uni $L__ok;\n\tret;\n}\n", "good") is None
     problem = _assemble(PTX_HEAD + "\tbra.uni $L__BB0_129;\n\tret;\n}\n", "bad")
     assert problem.startswith("ptxas:") and "L__BB0_129" in problem, problem
+
+
+def test_assembling_checks_a_register_budget():
+    """A kernel with a register budget (its module's REGISTER_BUDGETS) fails ptx_check when the
+    assembled kernel uses more: hc's u block relies on fitting 64 to get 1,024 threads."""
+    from pocketfm.kernels import hc
+    from pocketfm.kernels.ptx_check import _assemble, register_budget
+
+    _nvjitlink_or_skip()
+    ptx = (".version 8.0\n.target sm_90\n.address_size 64\n\n.visible .entry k(.param .u64 p)\n{\n"
+           "\t.reg .b64 %rd<3>;\n\t.reg .b32 %r<3>;\n\tld.param.u64 %rd1, [p];\n"
+           "\tcvta.to.global.u64 %rd2, %rd1;\n\tld.global.u32 %r1, [%rd2];\n"
+           "\tadd.s32 %r2, %r1, 1;\n\tst.global.u32 [%rd2], %r2;\n\tret;\n}\n")
+    assert _assemble(ptx, "small", (255, "any")) is None
+    problem = _assemble(ptx, "small", (0, "none at all"))
+    assert problem.startswith("uses ") and problem.endswith("its budget is 0 (none at all)")
+    assert register_budget(hc._hc_pre_finish_u)[0] == 64
+    assert register_budget(hc._hc_pre_finish_post) is None
