@@ -800,9 +800,11 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
     to reach every path. ``limbs``: x's limbs already made (q8_0_limbs): the dp4a kernel alone."""
     if limbs is not None:
         assert x is None and ids is None and ty is _Q8_0
-        method, x = "dp4a", _LimbsOf(limbs)
-    assert w.qtype == ty.qtype and x.shape[1] == w.cols and out.shape == (x.shape[0], w.rows)
-    T, N, K = x.shape[0], w.rows, w.cols
+        method = "dp4a"
+    T = x.shape[0] if limbs is None else limbs.shape[0]
+    K = x.shape[1] if limbs is None else limbs.shape[1] // XLW * 16
+    assert w.qtype == ty.qtype and K == w.cols and out.shape == (T, w.rows)
+    N = w.rows
     kern = _KERNELS[ty.qtype]
     ids_dummy, scale_dummy = _dummies()
     ws = w.planes[1] if ty.sblock else scale_dummy
@@ -841,12 +843,9 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span)
         if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
             method = "dp4a"
-        if method == "dp4a" and limbs is None:  # x -> int8 limbs once, then the GEMV
-            xl = stream_buffer("q8_0 x limbs", stream, (T, nchunk * XLW), np.int32)
-            _make_limbs(xl, x, stream)
+        if method == "dp4a":  # x -> int8 limbs once (unless made already), then the GEMV
+            xl = limbs if limbs is not None else q8_0_limbs(x, stream)
             k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
-        elif method == "dp4a":
-            k, args = kern.dp4a, args[:3] + (limbs,) + args[4:]
         k[(min(groups, _wave(k, args, nt, rows)), rows), nt, stream](*args)
     else:
         nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
@@ -859,15 +858,6 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
                                               K, tnt, ks)
         if S > 1:
             _sum_splits[min(cdiv(T * N, 256), 4096), 256, stream](out, dest)
-
-
-class _LimbsOf(NamedTuple):
-    """The [T, K] shape of the x whose limbs ``xl`` [T, K / 16 * XLW] are (for _launch's checks)."""
-    xl: object
-
-    @property
-    def shape(self):
-        return (self.xl.shape[0], self.xl.shape[1] // XLW * 16)
 
 
 NORM_LIMBS_MAX_K = 4096  # q8_0_limbs(norm=): four elements a thread, one block
