@@ -335,7 +335,9 @@ def inspect(path, all_keys):
               help="Then time the decode steps again under variants that each undo one landed "
                    "change (one stream instead of the side-stream branches; HC pre's u block of "
                    "512 threads; x limbs a thread a chunk) or try a candidate (the q_a norm "
-                   "inside q_b's x limbs, on every layer or off the CSA layers), each step "
+                   "inside q_b's x limbs, on every layer or off the CSA layers; the indexer's "
+                   "scores by one warp holding every head, alone and counting the top-k's "
+                   "first digit), each step "
                    "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "

@@ -118,12 +118,10 @@ def test_engine_with_memory_indexer_matches_numpy(micro_path, tmp_path, mode):
     assert got.extra["resident_fraction"] == ref.extra["resident_fraction"] < 1.0
 
 
-@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (q_b takes dp4a only there)")
-def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
+def _flash_4_layer_logits(variants: dict) -> dict:
     """The flash geometry's first 4 layers (window-only, CSA: q_b on its side stream, HCA;
-    synthetic weights in the ds4 type mix, caches filled to 4,096): one step with the q_a norm
-    inside q_b's limbs launch (on every layer, then off the CSA layers), the same step with the
-    norm as its own launch (only the norm's summation order differs)."""
+    synthetic weights in the ds4 type mix, caches filled to 4,096: 1,024 indexer keys, more
+    than the top-k's 512): one eager step's logits under each DecodeEngine.settings variant."""
     from pocketfm.engine.bench import fill_caches
     from pocketfm.engine.decode import DecodeEngine
     from pocketfm.engine.synthetic_weights import SyntheticSource
@@ -137,11 +135,36 @@ def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
     assert takes_limbs(eng.w.layers[0].q_b, norm=True)
     fill_caches(eng, 4096)
     logits = {}
-    for fold in (True, "non-csa", False):
-        with eng.settings(fold_q_a_norm=fold):
+    for name, values in variants.items():
+        with eng.settings(**values):
             eng.set_position(4096)
             eng.step(graph=False)
-            logits[fold] = eng.read_logits()
+            logits[name] = eng.read_logits()
+    return logits
+
+
+def _rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (q_b takes dp4a only there)")
+def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
+    """One step with the q_a norm inside q_b's limbs launch (on every layer, then off the CSA
+    layers), the same step with the norm as its own launch (only the norm's summation order
+    differs)."""
+    logits = _flash_4_layer_logits({fold: dict(fold_q_a_norm=fold)
+                                    for fold in (True, "non-csa", False)})
     for fold in (True, "non-csa"):
-        rel = np.linalg.norm(logits[fold] - logits[False]) / np.linalg.norm(logits[False])
-        assert rel <= 1e-4, (fold, rel)
+        assert _rel(logits[fold], logits[False]) <= 1e-4, fold
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the tensor-core scorers)")
+def test_the_one_warp_scorer_and_its_first_digit_change_no_logit():
+    """The candidates: the indexer's scores by one warp holding every head, then with the
+    top-k's first digit counted by it, against the 16-heads-a-warp scorer (the scores'
+    summation order differs; the picks' ranks may swap only between near-equal keys)."""
+    logits = _flash_4_layer_logits({
+        "landed": {}, "one warp": dict(indexer_one_warp=True),
+        "first digit": dict(indexer_one_warp=True, scorer_counts_first_digit=True)})
+    assert np.array_equal(logits["one warp"], logits["first digit"])  # same scores and picks
+    assert _rel(logits["one warp"], logits["landed"]) <= 1e-4

@@ -242,14 +242,19 @@ def _decode_variants() -> dict:
     undo one change each (the side streams; HC pre's u block of 1,024 threads with the norm
     from registers; the dp4a GEMVs' x limbs four threads a chunk) or try a candidate (the q_a
     norm folded into q_b's x limbs, on every layer or off the CSA layers: its first build, a
-    thread an element, measured 8.04 against 7.97 ms, H100, 30 layers, 2026-12-05, so off).
+    thread an element, measured 8.04 against 7.97 ms, H100, 30 layers, 2026-12-05, so off; the
+    indexer's scores by one warp holding every head, alone and counting the top-k's first
+    digit too: built in a session without a GPU, not yet measured).
     HC pre's mix and u in one launch (the last block to finish making u) was a candidate too,
     8.30 against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded into q_b's limbs": dict(fold_q_a_norm=True),
             "q_a norm folded on non-CSA layers": dict(fold_q_a_norm="non-csa"),
             "HC pre's u block of 512 threads": dict(hc_u_threads=512),
-            "x limbs a thread a chunk": dict(limbs_by_words=False)}
+            "x limbs a thread a chunk": dict(limbs_by_words=False),
+            "indexer scores by one warp holding every head": dict(indexer_one_warp=True),
+            "... and the top-k's first digit counted by it": dict(
+                indexer_one_warp=True, scorer_counts_first_digit=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

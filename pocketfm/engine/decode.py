@@ -43,7 +43,7 @@ from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (gemv, gemv_q8_0, limbs_kernel, q8_0_limbs, simulator_prefers_rows,
                             takes_limbs)
 from ..kernels.hc import hc_head, hc_post, hc_pre
-from ..kernels.indexer import indexer_scores, topk
+from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
 from ..kernels.qat import hadamard_fp4, kv_pack
@@ -148,12 +148,19 @@ class DecodeEngine:
         self.hc_u_threads = None
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
+        # candidates (bench --decode-ab; built without a GPU to measure them on, so off): the
+        # indexer's scores by one warp holding every head (indexer_mma.indexer_scores_warp)
+        # instead of a warp per 16 heads; with it, the top-k's first radix digit counted by the
+        # scorer (not with the Memory Indexer's mask between the two)
+        self.indexer_one_warp = False
+        self.scorer_counts_first_digit = False
         if device.SIMULATOR:
             simulator_prefers_rows()
 
     @contextlib.contextmanager
     def settings(self, **values):
-        """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words) set while
+        """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
+        indexer_one_warp, scorer_counts_first_digit) set while
         inside, as they were after it; the step is captured anew under each (an A/B of the step;
         an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -353,14 +360,20 @@ class DecodeEngine:
         n = self.n_comp[c.ratio]
         scores = self.scores[:max(1, self.capacity // c.ratio)]
         q, w = self.qi_rot.reshape(HI, DI), self.idx_w.reshape(HI)
+        work = default_topk_workspace(s)
         if swapped:  # over the staged keys, back in chunk order (or over the pool, direct)
             self.swap.score_staged_keys(i, scores, q, w, n, s, nt)
-        else:
-            indexer_scores(scores, q, w, c.index_keys, n, stream=s, threads=nt)
+            counted = False
+        else:  # (with the top-k's first digit counted, where the scorer can)
+            both = self.scorer_counts_first_digit and self.mem is None
+            counted = indexer_scores(scores, q, w, c.index_keys, n, stream=s, threads=nt,
+                                     q_fp4=self.indexer_one_warp,  # (hadamard_fp4's q)
+                                     top_k=(work, cfg.index_topk) if both else None)
         if self.mem is not None:  # top-k inside the Memory Indexer's resident set
             self.mem.mask_scores(scores, s)
         # the picks in ascending order: attention sums them in list order, so a run repeats
-        topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt)
+        topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt, work=work,
+             first_digit_counted=counted)
         if self.mem is not None:  # (the global set comes in ascending order too)
             self.mem.drop_selected(self.sel, s)
 

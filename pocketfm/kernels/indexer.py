@@ -323,21 +323,32 @@ def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=No
 
 
 def indexer_scores(out, q, w, keys_packed, n_visible, stream=0, threads=None,
-                   naive: bool = False, mma=None) -> None:
-    """Decode form: out[N] f32 <- q[HI, DI], w[HI], keys_packed[Ncap, bytes], n_visible[1]."""
+                   naive: bool = False, mma=None, q_fp4: bool = False, top_k=None) -> bool:
+    """Decode form: out[N] f32 <- q[HI, DI], w[HI], keys_packed[Ncap, bytes], n_visible[1].
+    ``q_fp4``: q is on the FP4 grid (hadamard_fp4's output), which lets one warp of the
+    tensor-core scorer hold every head (indexer_mma.indexer_scores_warp). ``top_k`` = (work,
+    k): the top-k to follow on these scores (its topk_workspace and k), whose first radix
+    digit that kernel then counts. Returns whether it did: pass it on as topk's
+    ``first_digit_counted``."""
     HI, DI = q.shape
+    if q_fp4 and _use_mma(mma, naive, HI, DI) and indexer_mma.fits_warp(HI, DI):
+        counted = top_k is not None and keys_packed.shape[0] >= out.shape[0]  # (the same n)
+        indexer_mma.indexer_scores_warp(out, q, w, keys_packed, n_visible, stream,
+                                        first_digit=top_k if counted else None)
+        return counted
     if _use_mma(mma, naive, HI, DI):
         indexer_mma.indexer_scores_mma(out, q, w, keys_packed, n_visible, stream)
-        return
+        return False
     if naive:
         indexer_scores_chunk(out.reshape(1, out.shape[0]), q.reshape(1, HI, DI),
                              w.reshape(1, HI), keys_packed, n_visible, stream, threads, True)
-        return
+        return False
     nt = threads or 128
     kern = _scorer_kernels(HI, DI, nt)[0]
     args = (out, q, w, keys_packed.view(np.uint32), keys_packed, n_visible)
     smem = _tile_smem(HI, DI, nt)
     kern[_tile_grid(kern, args, HI, out.shape[0], nt, smem), nt, stream, smem](*args)
+    return False
 
 
 # ---- top-k: naive rank ------------------------------------------------------------------------
@@ -403,46 +414,25 @@ def _grid_barrier(ws, G):
     cuda.syncthreads()
 
 
-@_inline
-def _order_key(bits):
-    """Order-preserving unsigned key (int64) of a float32's bits; -0.0 ranks as +0.0."""
-    u = int(bits)
-    if u == 0x80000000:
-        u = 0
-    return (0xFFFFFFFF - u) if u >= 0x80000000 else (u + 0x80000000)
+_order_key = _inline(indexer_mma.order_key)  # (the scorer counts the first digit with it too)
+assert indexer_mma.FIRST_DIGIT_BINS == _HIST and indexer_mma.FIRST_DIGIT_SHIFT == 32 - RADIX_BITS
 
 
 @_inline
-def _block_scan(v, buf):
-    """Inclusive prefix sum of the int ``v`` over the block (Hillis-Steele in ``buf``)."""
-    t = cuda.threadIdx.x
-    buf[t] = v
-    cuda.syncthreads()
-    off = 1
-    while off < cuda.blockDim.x:
-        x = buf[t - off] if t >= off else 0
-        cuda.syncthreads()
-        buf[t] += x
-        cuda.syncthreads()
-        off *= 2
-    s = buf[t]
-    cuda.syncthreads()
-    return s
-
-
-@_inline
-def _pick_digit(h, base, nb, need, buf, found):
+def _pick_digit(h, base, nb, need, wsum, xch, found):
     """The digit of the ``need``-th largest entry, from the counts h[base + d] of the nb digits:
-    thread t sums the t-th slice of the bins in descending order and a block scan places it.
-    Sets found[0] = the digit, found[1] = the entries in higher bins, found[2] = in its bin;
-    every thread must call it, and reads ``found`` after its closing barrier."""
+    thread t sums the t-th slice of the bins in descending order and a block scan places it
+    (_span_scan: warp shuffles and two barriers, where a Hillis-Steele scan over 512 threads
+    had 19 barriers). Sets found[0] = the digit, found[1] = the entries in higher bins, found[2] = in
+    its bin; every thread must call it (whole warps), and reads ``found`` after its closing
+    barrier."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     per = (nb + nt - 1) // nt
     v = 0
     for r in range(tid * per, min(nb, tid * per + per)):
         v += h[base + nb - 1 - r]
-    incl = _block_scan(v, buf)
+    incl, _ = _span_scan(v, wsum, xch)
     cum = incl - v
     if cum < need and need <= incl:
         for r in range(tid * per, min(nb, tid * per + per)):
@@ -535,9 +525,10 @@ def _write_picks(out, j0, gt, eq, ex, run_gt, run_eq, need):
 
 
 @device.kernel
-def _topk_radix_select(out_idx, bits, n_visible, ws):
+def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1], in ascending index order;
-    ws[_WS_LEN] int32 scratch, its histograms zero on entry (and on exit).
+    ws[_WS_LEN] int32 scratch, its histograms zero on entry (and on exit) except, with
+    ``counted``, the first digit's counts (ws[:_HIST], made by the scorer: that pass skipped).
 
     Every block must be resident at once (grid barriers; the launcher sizes the grid)."""
     k = out_idx.shape[0]
@@ -551,7 +542,6 @@ def _topk_radix_select(out_idx, bits, n_visible, ws):
             out_idx[i] = i if i < n else -1
         return
     hist = cuda.shared.array(_HIST, int32)
-    buf = cuda.shared.array(1024, int32)
     found = cuda.shared.array(3, int32)
     wsum = cuda.shared.array(32, int32)
     xch = cuda.shared.array(_XCH, float32)
@@ -564,19 +554,20 @@ def _topk_radix_select(out_idx, bits, n_visible, ws):
     for p in range(3):
         shift = 21 - 11 * p if p < 2 else 0
         nb = _HIST if p < 2 else 1024
-        for i in range(tid, nb, nt):
-            hist[i] = 0
-        cuda.syncthreads()
-        for j in range(lo + tid, hi, nt):
-            u = _order_key(bits[j])
-            if (u & pmask) == prefix:
-                cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
-        cuda.syncthreads()
-        for i in range(tid, nb, nt):
-            if hist[i] > 0:
-                cuda.atomic.add(ws, p * _HIST + i, hist[i])
-        _grid_barrier(ws, G)
-        _pick_digit(ws, p * _HIST, nb, need, buf, found)
+        if p > 0 or not counted:  # (grid-uniform)
+            for i in range(tid, nb, nt):
+                hist[i] = 0
+            cuda.syncthreads()
+            for j in range(lo + tid, hi, nt):
+                u = _order_key(bits[j])
+                if (u & pmask) == prefix:
+                    cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+            cuda.syncthreads()
+            for i in range(tid, nb, nt):
+                if hist[i] > 0:
+                    cuda.atomic.add(ws, p * _HIST + i, hist[i])
+            _grid_barrier(ws, G)
+        _pick_digit(ws, p * _HIST, nb, need, wsum, xch, found)
         prefix |= int(found[0]) << shift
         pmask |= (nb - 1) << shift
         need -= int(found[1])
@@ -632,8 +623,15 @@ def topk_workspace(stream=0):
 _WORKSPACE = []
 
 
+def default_topk_workspace(stream=0):
+    """The module-wide ``topk`` workspace (made on first use): calls on one stream only."""
+    if not _WORKSPACE:
+        _WORKSPACE.append(topk_workspace(stream))
+    return _WORKSPACE[0]
+
+
 def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool = False,
-         work=None, blocks=None) -> None:
+         work=None, blocks=None, first_digit_counted: bool = False) -> None:
     """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
 
     The picks come in ascending index order (the naive kernel: by rank); ties at the k-th
@@ -641,6 +639,8 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
     with -1. ``work`` is a ``topk_workspace()``; by default one module-wide buffer (calls on
     one stream only).
     ``blocks``: the grid (benchmarks; default one block per ~4 entries a thread, <= SMs).
+    ``first_digit_counted``: the scorer has counted the first radix digit of these scores into
+    ``work`` (indexer_scores(..., top_k=(work, k))), so that pass is skipped.
     """
     if out_idx.shape[0] != k:
         raise ValueError(f"topk: out_idx has {out_idx.shape[0]} slots, k = {k}")
@@ -650,15 +650,14 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
         _topk_rank[min(cdiv(max(N, k), nt), 4096), nt, stream](out_idx, scores, n_visible)
         return
     if work is None:
-        if not _WORKSPACE:
-            _WORKSPACE.append(topk_workspace(stream))
-        work = _WORKSPACE[0]
+        work = default_topk_workspace(stream)
     nt = max(32, min(threads or TOPK_THREADS, 1024) // 32 * 32)  # whole warps (_span_scan)
     # at most one block per SM, so all are resident for the grid barriers; ~4 entries a thread
     if blocks is None:
         blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
     assert 1 <= blocks <= max(1, device.sm_count()), "topk: every block must be resident"
-    _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work)
+    _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work,
+                                           int(first_digit_counted))
 
 
 # ---- top-k: chunk form, one block per token ---------------------------------------------------
@@ -714,7 +713,7 @@ def _topk_chunk_kernel(cand: int, tie_list: int = _TIE_LIST):
     @device.kernel
     def _topk_chunk_radix_select(out_idx, bits, n_visible):
         """out_idx[T, k] <- bits[T, N] (the scores as uint32), n_visible[T]; a block per row
-        t (grid T), blockDim <= 1024."""
+        t (grid T), blockDim whole warps, <= 1024."""
         k = out_idx.shape[1]
         t = cuda.blockIdx.x
         n = min(int(n_visible[t]), bits.shape[1])
@@ -729,6 +728,8 @@ def _topk_chunk_kernel(cand: int, tie_list: int = _TIE_LIST):
         hist = cuda.shared.array(_HIST, int32)
         buf = cuda.shared.array(1024, int32)
         found = cuda.shared.array(6, int32)  # digit, above it, in it; slot, candidate, tie counters
+        wsum = cuda.shared.array(32, int32)  # _pick_digit's scan
+        xch = cuda.shared.array(_XCH, float32)
         eqmask = cuda.shared.array(_EQ_LEN, uint32)
         cidx = cuda.shared.array(cand, int32)  # the candidates: index, order key
         ckey = cuda.shared.array(cand, uint32)
@@ -764,7 +765,7 @@ def _topk_chunk_kernel(cand: int, tie_list: int = _TIE_LIST):
                         if j0 + e * nt < n and (u & pmask) == prefix:
                             cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
             cuda.syncthreads()
-            _pick_digit(hist, 0, nb, need, buf, found)
+            _pick_digit(hist, 0, nb, need, wsum, xch, found)
             prefix |= int(found[0]) << shift
             pmask |= (nb - 1) << shift
             need -= int(found[1])
@@ -862,7 +863,7 @@ def topk_chunk(out_idx, scores, n_visible, k: int, stream=0, threads=None,
         raise ValueError(f"topk_chunk: out_idx is {out_idx.shape}, want ({T}, {k})")
     if T == 0:
         return
-    nt = min(threads or TOPK_THREADS, 1024)
+    nt = max(32, min(threads or TOPK_THREADS, 1024) // 32 * 32)  # whole warps (_pick_digit)
     _topk_chunk_kernel(cand, tie_list)[T, nt, stream](out_idx, scores.view(np.uint32),
                                                       n_visible)
 
@@ -879,7 +880,7 @@ PTX_SIGNATURES = [
     (_V4_SCORERS[0], _SCORES_SIG),
     (_V4_SCORERS[1], _CHUNK_SIG),
     (_topk_rank, "void(int32[::1], float32[::1], int32[::1])"),
-    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1])"),
+    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1], int64)"),
     (_topk_chunk_kernel(_CAND), "void(int32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 
@@ -900,9 +901,10 @@ _KIND = {False: "register tiles", True: "tensor cores"}
 def bench_cases(stream) -> list[BenchCase]:
     """V4-Flash shapes: HI = 64, DI = 128, k = 512, N = 262,144 (1M context) and 65,536, q on
     the FP4 grid as the model's (hadamard_fp4); the scorer alone by kernel (register tiles,
-    tensor cores) and with the top-k as the engine runs them; a prefill chunk's scores (T = 256
-    tokens over 65,536 keys) by kernel (the per-token blocks, and the chunk tiles the prefill
-    takes), and its top-k over a chunk of T = 512 tokens."""
+    tensor cores; the engine's one-warp form) and with the top-k as the engine runs them (the
+    first digit counted by the scorer) and as it did (by the top-k); a prefill chunk's scores
+    (T = 256 tokens over 65,536 keys) by kernel (the per-token blocks, and the chunk tiles the
+    prefill takes), and its top-k over a chunk of T = 512 tokens."""
     from ..numerics import fp4_roundtrip
     rng = np.random.default_rng(0)
     HI, DI, k = 64, 128, 512
@@ -924,15 +926,25 @@ def bench_cases(stream) -> list[BenchCase]:
                 indexer_scores(scores, q, w, keys, nv, stream=stream, mma=mma)
             cases.append(BenchCase("indexer", f"indexer_scores {_KIND[mma]} N={N} HI={HI}",
                                    scores_only, nbytes, flops=2 * N * HI * (DI + 1)))
+        for groups in (1, 2):  # the engine's: q on the FP4 grid, one warp every head
+            def one_warp(scores=scores, q=q, w=w, keys=keys, nv=nv, groups=groups):
+                indexer_mma.indexer_scores_warp(scores, q, w, keys, nv, stream, groups=groups)
+            cases.append(BenchCase("indexer", f"indexer_scores tensor cores, a warp every head "
+                                   f"({8 * groups} keys a step) N={N} HI={HI}", one_warp, nbytes,
+                                   flops=2 * N * HI * (DI + 1)))
 
-        def launch(scores=scores, q=q, w=w, keys=keys, nv=nv, idx=idx, work=work):
-            indexer_scores(scores, q, w, keys, nv, stream=stream)
-            topk(idx, scores, nv, k, stream=stream, work=work)
+        for fused in (True, False):
+            def launch(scores=scores, q=q, w=w, keys=keys, nv=nv, idx=idx, work=work,
+                       fused=fused):
+                counted = indexer_scores(scores, q, w, keys, nv, stream=stream, q_fp4=fused,
+                                         top_k=(work, k) if fused else None)
+                topk(idx, scores, nv, k, stream=stream, work=work, first_digit_counted=counted)
 
-        cases.append(BenchCase("indexer", f"indexer_scores+topk N={N} HI={HI} k={k}", launch,
-                               nbytes + scores.nbytes + idx.nbytes,
-                               flops=2 * N * HI * (DI + 1),
-                               target="<= 150 us" if N == 262_144 else ""))
+            how = "" if fused else " (before: 16 heads a warp, the top-k's own first pass)"
+            cases.append(BenchCase("indexer", f"indexer_scores+topk N={N} HI={HI} k={k}{how}",
+                                   launch, nbytes + scores.nbytes + idx.nbytes,
+                                   flops=2 * N * HI * (DI + 1),
+                                   target="<= 150 us" if N == 262_144 and fused else ""))
         for blocks in (None, 1, 4, 16):  # the top-k alone, by grid (the scores of the case above)
             def select(scores=scores, nv=nv, idx=idx, work=work, blocks=blocks):
                 topk(idx, scores, nv, k, stream=stream, work=work, blocks=blocks)
