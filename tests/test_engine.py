@@ -159,12 +159,15 @@ def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the tensor-core scorers)")
-def test_the_one_warp_scorer_and_its_first_digit_change_no_logit():
+def test_the_indexer_and_combine_candidates_change_no_logit():
     """The candidates: the indexer's scores by one warp holding every head, then with the
     top-k's first digit counted by it, against the 16-heads-a-warp scorer (the scores'
-    summation order differs; the picks' ranks may swap only between near-equal keys)."""
+    summation order differs; the picks' ranks may swap only between near-equal keys); out_a's
+    limbs made by the attention's combine: the same words, so the same logits, bit for bit."""
     logits = _flash_4_layer_logits({
         "landed": {}, "one warp": dict(indexer_one_warp=True),
-        "first digit": dict(indexer_one_warp=True, scorer_counts_first_digit=True)})
+        "first digit": dict(indexer_one_warp=True, scorer_counts_first_digit=True),
+        "combine limbs": dict(limbs_in_combine=True)})
     assert np.array_equal(logits["one warp"], logits["first digit"])  # same scores and picks
     assert _rel(logits["one warp"], logits["landed"]) <= 1e-4
+    assert np.array_equal(logits["combine limbs"], logits["landed"])

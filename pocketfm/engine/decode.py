@@ -40,8 +40,8 @@ from ..kernels import device
 from ..kernels.attention import attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import (gemv, gemv_q8_0, limbs_kernel, q8_0_limbs, simulator_prefers_rows,
-                            takes_limbs)
+from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
+                            simulator_prefers_rows, takes_limbs)
 from ..kernels.hc import hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
@@ -154,13 +154,16 @@ class DecodeEngine:
         # scorer (not with the Memory Indexer's mask between the two)
         self.indexer_one_warp = False
         self.scorer_counts_first_digit = False
+        # candidate: attn_output_a's x limbs made by the attention's combine (one launch fewer
+        # on every layer's path), where out_a runs the dp4a kernel
+        self.limbs_in_combine = False
         if device.SIMULATOR:
             simulator_prefers_rows()
 
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
-        indexer_one_warp, scorer_counts_first_digit) set while
+        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine) set while
         inside, as they were after it; the step is captured anew under each (an A/B of the step;
         an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -310,22 +313,25 @@ class DecodeEngine:
         scale = 1.0 / math.sqrt(K)
         back = (self.pos, L.freqs)  # the output's inverse RoPE, inside the combine
         if cfg.is_csa(i):
-            comp, sel = c.comp, self.sel
+            comp, sel, n_comp, every = c.comp, self.sel, self.n_comp[c.ratio], 0
             if self.swap is not None:  # staging rows through the remapped top-k, or the pool
                 comp, sel = self.swap.attention_source(i, self.sel, s)
-            attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel,
-                             self.n_comp[c.ratio], 0, L.sinks, scale, stream=s, threads=nt,
-                             out_rope=back, **sim)
         elif c.ratio:  # HCA: every emitted entry
-            attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, c.comp,
-                             self.no_sel, self.n_comp[c.ratio], 1, L.sinks, scale, stream=s,
-                             threads=nt, out_rope=back, **sim)
+            comp, sel, n_comp, every = c.comp, self.no_sel, self.n_comp[c.ratio], 1
         else:
-            attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, self.no_comp,
-                             self.no_sel, self.zero_count, 0, L.sinks, scale, stream=s, threads=nt,
-                             out_rope=back, **sim)
+            comp, sel, n_comp, every = self.no_comp, self.no_sel, self.zero_count, 0
         G = cfg.o_groups
-        gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
+        xo = None  # (candidate) out_a's x limbs, made by the attention's combine
+        if self.limbs_in_combine and takes_limbs(L.out_a, grouped=True):
+            xo = device.stream_buffer("attention out limbs", s, (G, H * K // G // 16 * XLW),
+                                      np.int32)
+        attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
+                         every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
+                         **sim)
+        if xo is not None:
+            gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
+        else:
+            gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
 

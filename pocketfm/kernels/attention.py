@@ -28,6 +28,8 @@ from .. import ops
 from . import device, kvpack
 from .bench import BenchCase
 from .device import cdiv
+from .gemv import XLW, _limb, _limb_scales, _make_limbs
+from .lowbit_layout import _f32_bits
 from .norm_rope import rope, rope_element
 
 HPW = 2  # heads per warp: a lane holds q and the accumulator of HPW heads x K/32 dims
@@ -40,7 +42,9 @@ COMBINE_THREADS = MAX_COMBINE_THREADS = 128  # the combine's block: dims of one 
 # (2026-12-02), CSA 128 + 512: 1 tile 30.1 µs, 2 tiles 28.7, 4 tiles 44.3, 8 tiles 78.7
 SPLIT_TILES = 2
 _ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
-assert HPW * KC == 32
+_SHF = MAX_COMBINE_THREADS if device.SIMULATOR else 1  # the simulator's shuffle scratch
+_LIMB_BYTES = 3 * MAX_COMBINE_THREADS  # (a literal for cuda.shared.array)
+assert HPW * KC == 32 and COMBINE_THREADS % 16 == 0
 
 
 def _inline(fn):
@@ -434,16 +438,10 @@ def _split_kernel(K: int, R: int, NT: int):
     return _SPLITS[key]
 
 
-@device.kernel
-def _attention_combine(out, part, sinks, pos, freqs):
-    """out[H, K] <- the P split partials of head blockIdx.y, dims blockIdx.x·blockDim.x + t,
-    merged with the sink in the denominator. The P (max, sum) pairs go through shared memory
-    once per block, and every thread takes their exponentials itself (P ≤ 32 exps against two
-    more block barriers); the accumulator loads are issued eight at a time (independent loads in
-    flight instead of one L2 round trip per split). With freqs [R/2] not empty, the last R dims
-    are then rotated back by the inverse RoPE at pos[0] (§4.9) with norm_rope.rope's float32
-    cos/sin of a float64 angle: the pair partner is the neighbouring thread (R and K - R even,
-    blocks a multiple of 2 wide), through shared memory."""
+@_inline
+def _combined(out, part, sinks, pos, freqs):
+    """The combine of this thread's dim (below): writes out[h, d] and returns it (0 past
+    K). Every thread of the block must call it."""
     P = part.shape[0]
     H, K = out.shape
     h = cuda.blockIdx.y
@@ -481,6 +479,59 @@ def _attention_combine(out, part, sinks, pos, freqs):
                              freqs[(d - nope) // 2], even, True)
     if d < K:
         out[h, d] = o
+    return o
+
+
+@device.kernel
+def _attention_combine(out, part, sinks, pos, freqs):
+    """out[H, K] <- the P split partials of head blockIdx.y, dims blockIdx.x·blockDim.x + t,
+    merged with the sink in the denominator. The P (max, sum) pairs go through shared memory
+    once per block, and every thread takes their exponentials itself (P ≤ 32 exps against two
+    more block barriers); the accumulator loads are issued eight at a time (independent loads in
+    flight instead of one L2 round trip per split). With freqs [R/2] not empty, the last R dims
+    are then rotated back by the inverse RoPE at pos[0] (§4.9) with norm_rope.rope's float32
+    cos/sin of a float64 angle: the pair partner is the neighbouring thread (R and K - R even,
+    blocks a multiple of 2 wide), through shared memory."""
+    _combined(out, part, sinks, pos, freqs)
+
+
+@device.kernel
+def _attention_combine_limbs(out, xl, part, sinks, pos, freqs):
+    """_attention_combine, and then the int8 limbs of out that attn_output_a's dp4a GEMV reads
+    (gemv.py's words: XLW a 16-column chunk of out viewed as rows of xl.shape[1] / XLW · 16
+    values), made here instead of by a launch of their own on the step's critical path. A chunk
+    is 16 neighbouring threads (K and the block a multiple of 16): its max by 4 xor shuffles,
+    each thread its element's 3 roundings (gemv._limb, as _q8_0_x_limbs_words makes them: the
+    same words), and one thread in four packs four elements' bytes through shared memory."""
+    o = _combined(out, part, sinks, pos, freqs)
+    K = out.shape[1]
+    h = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    d = cuda.blockIdx.x * cuda.blockDim.x + t
+    xch = cuda.shared.array(_SHF, float32)  # (the simulator's shuffles)
+    qb = cuda.shared.array(_LIMB_BYTES, int32)  # the limbs' bytes, by thread
+    amax = abs(o) if d < K else float32(0.0)
+    for off in (1, 2, 4, 8):
+        amax = max(amax, device.xor_shfl(amax, off, xch))
+    s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
+    q1, r = _limb(o, s1, i1)
+    q2, r = _limb(r, s2, i2)
+    q3, r = _limb(r, s3, i3)
+    qb[t] = q1 & 0xFF
+    qb[MAX_COMBINE_THREADS + t] = q2 & 0xFF
+    qb[2 * MAX_COMBINE_THREADS + t] = q3 & 0xFF
+    cuda.syncthreads()
+    if d < K and d % 4 == 0:
+        f = h * K + d  # out's flat index: row, 16-column chunk c, word m of the chunk
+        rw = xl.shape[1] // XLW * 16
+        row = f // rw
+        c = (f - row * rw) // 16
+        m = (f - row * rw) % 16 // 4
+        for li in range(3):
+            b = li * MAX_COMBINE_THREADS + t
+            a = qb[b] + (qb[b + 1] << 8) + (qb[b + 2] << 16) + (qb[b + 3] << 24)
+            xl[row, XLW * c + 4 * li + m] = a - (1 << 32) if a >= 1 << 31 else a
+        xl[row, XLW * c + 12 + m] = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
 
 
 _SCRATCH: dict = {}  # (P, H, K) -> the split partials part[P, H, K+2], allocated once
@@ -523,7 +574,7 @@ def _partials(P: int, H: int, K: int, stream):
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
                      naive: bool = False, part=None, mma=None, tiles_per_split: int = 4,
-                     out_rope=None, split_tiles: int | None = None) -> None:
+                     out_rope=None, split_tiles: int | None = None, limbs=None) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -541,7 +592,11 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     ``split_tiles``: the CUDA-core kernel's least KC-slot tiles a split (SPLIT_TILES).
 
     ``out_rope`` (pos [1] int32, freqs [R/2] float64): out leaves with the last R dims rotated
-    back by the inverse RoPE at pos (§4.9), inside the combine (naive: norm_rope.rope after)."""
+    back by the inverse RoPE at pos (§4.9), inside the combine (naive: norm_rope.rope after).
+
+    ``limbs``: int32 [rows, cols / 16 · XLW] gets the int8 limbs of out viewed as [rows, cols]
+    (gemv.q8_0_limbs' words; the x of attn_output_a's dp4a GEMV, gemv_q8_0(limbs=)), made by
+    the combine itself (K a multiple of 16; naive: a limbs launch after)."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
@@ -551,6 +606,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
         if out_rope is not None:
             o3 = out.reshape(1, H, K)
             rope(o3, o3, *out_rope, True, stream, naive=True)
+        if limbs is not None:
+            _make_limbs(limbs, out.reshape(limbs.shape[0], H * K // limbs.shape[0]), stream)
         return
     slots = window_packed.shape[0] + (comp_packed.shape[0] if all_visible else sel.shape[0])
     if (all_visible and not device.SIMULATOR) if mma is None else mma:
@@ -573,8 +630,13 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
             sel, n_comp_visible, int32(all_visible), float32(scale))
     pos, freqs = out_rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
-    _attention_combine[(cdiv(K, COMBINE_THREADS), H), COMBINE_THREADS, stream](out, part, sinks,
-                                                                              pos, freqs)
+    grid = (cdiv(K, COMBINE_THREADS), H)
+    if limbs is None:
+        _attention_combine[grid, COMBINE_THREADS, stream](out, part, sinks, pos, freqs)
+    else:
+        assert K % 16 == 0 and H * K == limbs.shape[0] * limbs.shape[1] // XLW * 16, limbs.shape
+        _attention_combine_limbs[grid, COMBINE_THREADS, stream](out, limbs, part, sinks, pos,
+                                                                freqs)
 
 
 def attention_chunk(out, q, keys_packed, mask, sinks, scale: float, stream=0,
@@ -600,6 +662,8 @@ PTX_SIGNATURES = [
                                      "float32)"),  # V4-Flash: K = 512, R = 64, 256 threads
     (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1], int32[::1], "
                          "float64[::1])"),
+    (_attention_combine_limbs, f"void(float32[:, ::1], int32[:, ::1], {_PART}, float32[::1], "
+                               "int32[::1], float64[::1])"),
 ]
 
 

@@ -798,8 +798,8 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
     """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched" / "mma") and
     ``split_k`` (decode: warps per row; batched: K splits) override the choice; tests use them
     to reach every path. ``limbs``: x's limbs already made (q8_0_limbs): the dp4a kernel alone."""
-    if limbs is not None:
-        assert x is None and ids is None and ty is _Q8_0
+    if limbs is not None:  # (with ids: row t of the limbs is token t, as x's would be)
+        assert x is None and ty is _Q8_0
         method = "dp4a"
     T = x.shape[0] if limbs is None else limbs.shape[0]
     K = x.shape[1] if limbs is None else limbs.shape[1] // XLW * 16
@@ -863,17 +863,19 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
 NORM_LIMBS_MAX_K = 4096  # q8_0_limbs(norm=): four elements a thread, one block
 
 
-def takes_limbs(w: QWeight, norm: bool = False) -> bool:
+def takes_limbs(w: QWeight, norm: bool = False, grouped: bool = False) -> bool:
     """Whether the one-token GEMV of ``w`` runs the dp4a kernel (Q8_0 of >= DP4A_MIN_ELEMENTS,
     a K the decode kernel holds; not where the simulator prefers the thread-per-row kernel):
     then its x may come as limbs made beforehand (``q8_0_limbs``, ``gemv_q8_0(limbs=)``);
-    ``norm``: limbs made with a norm, too (``q8_0_limbs(norm=)``: K <= NORM_LIMBS_MAX_K)."""
+    ``norm``: limbs made with a norm, too (``q8_0_limbs(norm=)``: K <= NORM_LIMBS_MAX_K);
+    ``grouped``: w's experts each take one row of x by ids (attn_output_a's groups)."""
     if w.qtype != GGMLType.Q8_0 or (SIMULATOR and _STATE.get("sim_rows")):
         return False
     cpl = _decode_shape(_Q8_0, 1)[0]
     K = w.cols
-    return (w.experts == 1 and K % 16 == 0 and K // 16 <= 32 * 32 * cpl
-            and w.rows * K >= DP4A_MIN_ELEMENTS and (not norm or K <= NORM_LIMBS_MAX_K))
+    return ((w.experts == 1 or grouped) and K % 16 == 0 and K // 16 <= 32 * 32 * cpl
+            and w.rows * K * (w.experts if grouped else 1) >= DP4A_MIN_ELEMENTS
+            and (not norm or K <= NORM_LIMBS_MAX_K))
 
 
 def q8_0_limbs(x, stream=0, norm=None, name: str = "q8_0 x limbs"):
@@ -911,8 +913,8 @@ def gemv_bf16(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> No
 
 
 def gemv_q8_0(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
-    """As gemv_f32, Q8_0 weights; ``limbs=`` (x None, one token): x's limbs from q8_0_limbs,
-    the dp4a kernel alone."""
+    """As gemv_f32, Q8_0 weights; ``limbs=`` (x None; one token, or a row per id): x's limbs
+    from q8_0_limbs (or attention_decode(limbs=)), the dp4a kernel alone."""
     _launch(_Q8_0, out, w, x, ids, stream, threads, **how)
 
 

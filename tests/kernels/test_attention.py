@@ -126,6 +126,29 @@ def test_attention_decode_rotates_the_output_back(how):
     assert rel_err(rotated, two.copy_to_host()[0]) <= 1e-6
 
 
+@pytest.mark.parametrize("how", [dict(naive=True), dict(naive=False), dict(mma=True)])
+def test_attention_decode_makes_the_out_a_limbs(how):
+    """``limbs``: the combine also writes the int8 limbs of its output viewed as [2, H·K/2]
+    (attn_output_a's x), exactly the words q8_0_limbs makes of that output (naive: a limbs
+    launch after), and its output is the same as without them, bit for bit."""
+    from pocketfm.kernels import gemv
+    from pocketfm.numerics import rope_frequencies
+
+    rng = fresh_rng()
+    H = 4
+    q, win, comp, sinks = decode_inputs(rng, H)
+    sel = rng.choice(30, S, replace=False)
+    back = (cuda.to_device(np.array([77], np.int32)),
+            cuda.to_device(rope_frequencies(R, 160000.0, 16.0, 65536)))
+    how = dict(how, tiles_per_split=1) if how.get("mma") else how
+    plain, _ = run_decode(q, win, 11, comp, sel, 30, 0, sinks, **how, out_rope=back)
+    xl = cuda.to_device(np.full((2, H * K // 2 // 16 * gemv.XLW), -5, np.int32))
+    out, ref = run_decode(q, win, 11, comp, sel, 30, 0, sinks, **how, out_rope=back, limbs=xl)
+    assert np.array_equal(out, plain)
+    want = gemv.q8_0_limbs(cuda.to_device(out.reshape(2, H * K // 2)), name="test limbs o")
+    assert np.array_equal(xl.copy_to_host(), want.copy_to_host())
+
+
 def test_attention_chunk():
     rng = fresh_rng()
     T, H, M = 3, 2, 30

@@ -116,6 +116,18 @@ def test_q8_0_limbs_with_the_norm_then_the_dp4a_kernel(K):
     assert np.array_equal(xl.copy_to_host(), plain.copy_to_host())
 
 
+def test_dp4a_kernel_on_limbs_of_a_row_per_id():
+    """gemv_q8_0(limbs=, ids): row t of the limbs is token t's x (attn_output_a: a group's
+    rows of o against that group's weights), the dp4a kernel alone, against NumPy."""
+    rng = fresh_rng()
+    E, N, K, T = 3, 10, 128, 4
+    w, x, ids, ref = _case("q8_0", E, N, K, T, True, rng)
+    out = poisoned((T, N))
+    xl = gemv.q8_0_limbs(cuda.to_device(x), name="test limbs, ids")
+    gemv.gemv_q8_0(out, w.to_device(), None, cuda.to_device(ids), limbs=xl, threads=THREADS)
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
 @pytest.mark.parametrize("T,K", [(1, 4096), (2, 96), (3, 1024)])
 def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
     """_q8_0_x_limbs_words (the default) writes exactly the words of _q8_0_x_limbs (a thread a
@@ -143,6 +155,8 @@ def test_takes_limbs_only_for_the_dp4a_kernel(monkeypatch):
     assert not gemv.takes_limbs(q(big // 2, 1024))  # under the dp4a size: the float kernel
     assert not gemv.takes_limbs(q(big, 1024, GGMLType.F16))
     assert not gemv.takes_limbs(q(big, 1024, E=8))  # expert-indexed
+    assert gemv.takes_limbs(q(big // 8, 1024, E=8), grouped=True)  # attn_output_a's groups
+    assert not gemv.takes_limbs(q(big // 16, 1024, E=8), grouped=True)
     assert gemv.takes_limbs(q(big, 1024), norm=True)  # V4-Flash's q_b: K = 1024
     assert gemv.takes_limbs(q(big // 8, 8192)) and not gemv.takes_limbs(q(big // 8, 8192), True)
     monkeypatch.setitem(gemv._STATE, "sim_rows", gemv.SIMULATOR)
