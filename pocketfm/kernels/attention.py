@@ -681,7 +681,8 @@ def random_packed_kv(rng, n: int, K: int, R: int) -> np.ndarray:
 def bench_cases(stream) -> list[BenchCase]:
     """V4-Flash decode: H = 64 heads x K = 512 (R = 64), a full 128-entry window plus 512
     selected compressed entries (CSA) or 2048 / 8192 visible ones (HCA at 256K / 1M context);
-    the CUDA-core split kernel and the tensor-core one at 1, 2 and 4 tiles a split."""
+    the CUDA-core split kernel and the tensor-core one at 1, 2 and 4 tiles a split; the
+    launcher's pick with out_a's x limbs made in the combine, and with a limbs launch after."""
     rng = np.random.default_rng(0)
     H, K, R, W = 64, 512, 64, 128
     cases = []
@@ -714,4 +715,19 @@ def bench_cases(stream) -> list[BenchCase]:
             cases.append(BenchCase("attention", f"attention_decode {kname} {mode} H={H} K={K} "
                                    f"M={W}+{ncomp}", launch, nbytes, flops=4 * H * K * M,
                                    target="<= 20 us" if mode == "CSA" else ""))
+        # the launcher's pick with attn_output_a's x limbs made by the combine (8 groups), and
+        # the limbs launch it saves, as the engine would run it without (the decode candidate)
+        out = cuda.device_array((H, K), np.float32, stream=stream)
+        xl = cuda.device_array((8, H * K // 8 // 16 * XLW), np.int32, stream=stream)
+        for fused in (True, False):
+            def with_limbs(d=dev, out=out, hca=hca, xl=xl, fused=fused):
+                attention_decode(out, d["q"], d["win"], d["nw"], d["comp"], d["sel"], d["nc"],
+                                 int(hca), d["sinks"], 1 / math.sqrt(K), stream=stream,
+                                 limbs=xl if fused else None)
+                if not fused:
+                    _make_limbs(xl, out.reshape(8, H * K // 8), stream)
+            how = "limbs in the combine" if fused else "then a limbs launch"
+            cases.append(BenchCase("attention", f"attention_decode {how} {mode} H={H} K={K} "
+                                   f"M={W}+{ncomp}", with_limbs, nbytes + xl.nbytes,
+                                   flops=4 * H * K * M))
     return cases
