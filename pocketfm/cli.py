@@ -337,7 +337,8 @@ def inspect(path, all_keys):
                    "512 threads; x limbs a thread a chunk) or try a candidate (the q_a norm "
                    "inside q_b's x limbs, on every layer or off the CSA layers; the indexer's "
                    "scores by one warp holding every head, alone and counting the top-k's "
-                   "first digit; out_a's x limbs made by the attention's combine), each step "
+                   "first digit; out_a's x limbs made by the attention's combine; the "
+                   "indexer query's Hadamard a warp a vector), each step "
                    "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "

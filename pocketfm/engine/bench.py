@@ -245,7 +245,8 @@ def _decode_variants() -> dict:
     thread an element, measured 8.04 against 7.97 ms, H100, 30 layers, 2026-12-05, so off; the
     indexer's scores by one warp holding every head, alone and counting the top-k's first
     digit too; attn_output_a's x limbs made by the attention's combine: these three built in a
-    session without a GPU, not yet measured).
+    session without a GPU, not yet measured; the indexer query's Hadamard on the prefill's
+    warp kernel, whose DI-compiled build was never timed at the decode's 64 vectors).
     HC pre's mix and u in one launch (the last block to finish making u) was a candidate too,
     8.30 against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
@@ -256,7 +257,8 @@ def _decode_variants() -> dict:
             "indexer scores by one warp holding every head": dict(indexer_one_warp=True),
             "... and the top-k's first digit counted by it": dict(
                 indexer_one_warp=True, scorer_counts_first_digit=True),
-            "out_a's limbs made by the attention's combine": dict(limbs_in_combine=True)}
+            "out_a's limbs made by the attention's combine": dict(limbs_in_combine=True),
+            "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -157,13 +157,16 @@ class DecodeEngine:
         # candidate: attn_output_a's x limbs made by the attention's combine (one launch fewer
         # on every layer's path), where out_a runs the dp4a kernel
         self.limbs_in_combine = False
+        # candidate: the indexer query's Hadamard + FP4 a warp a vector (DI compiled in; the
+        # prefill's kernel) instead of a block a vector (None: the launcher's pick, the block)
+        self.hadamard_warp = None
         if device.SIMULATOR:
             simulator_prefers_rows()
 
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
-        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine) set while
+        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp) set while
         inside, as they were after it; the step is captured anew under each (an A/B of the step;
         an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -358,8 +361,8 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         HI, DI = cfg.index_heads, cfg.index_dim
         gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, self.cq_norm, None, s, threads=nt)
-        hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt,
-                     rope=(self.pos, L.freqs), **sim)  # RoPE, rotation, FP4: one launch
+        hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt, rope=(self.pos, L.freqs),
+                     warp=self.hadamard_warp, **sim)  # RoPE, rotation, FP4: one launch
         if self.branches:
             self.side_idx.join(s)
         swapped = self.swap is not None and i in self.swap.krank
