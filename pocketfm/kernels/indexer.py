@@ -10,12 +10,14 @@ graph reads the current count: grids are sized for the capacity and tiles past t
 write -inf.
 
 The scorer is an fp32 matrix product [HI, DI] x [DI, N] with a ReLU and a weighted row sum on
-top: 4.3 GFLOP at N = 262,144, against 17.8 MB of keys, so it is compute-bound on the CUDA
-cores (tensor cores are out of reach from Numba). Each key is decoded to float once per block
-into shared memory (the per-32 scale folded in: 128 multiplies per key against 8,192 FMAs
-for its 64 dot products, so factoring the scale out of the inner sum would save nothing) and
-each thread keeps an HT x KT register tile of (head, key) accumulators, so each shared load
-feeds several FMAs. Dimension letters: HI index heads, DI index dim, N keys, T tokens.
+top: 4.3 GFLOP at N = 262,144, against 17.8 MB of keys. On a GPU it runs on the tensor cores
+(indexer_mma.py: bf16 MMAs through inline PTX, exact on the FP4 values); the CUDA-core kernel
+here is the simulator's engine path and the kvswap pool's (host memory over the bus). It is
+FMA-bound: each key is decoded to float once per block into shared memory (the per-32 scale
+folded in: 128 multiplies per key against 8,192 FMAs for its 64 dot products, so factoring the
+scale out of the inner sum would save nothing) and each thread keeps an HT x KT register tile
+of (head, key) accumulators, so each shared load feeds several FMAs. Dimension letters: HI
+index heads, DI index dim, N keys, T tokens.
 """
 from __future__ import annotations
 
