@@ -149,7 +149,7 @@ class DecodeEngine:
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # candidates (bench --decode-ab; built without a GPU to measure them on, so off): the
-        # indexer's scores by one warp holding every head (indexer_mma.indexer_scores_warp)
+        # indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads; with it, the top-k's first radix digit counted by the
         # scorer (not with the Memory Indexer's mask between the two)
         self.indexer_one_warp = False

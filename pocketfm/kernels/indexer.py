@@ -27,7 +27,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from .. import ops
-from . import device, indexer_mma, kvpack
+from . import device, indexer_mma, indexer_warp, kvpack
 from .bench import BenchCase
 from .device import cdiv
 
@@ -328,15 +328,15 @@ def indexer_scores(out, q, w, keys_packed, n_visible, stream=0, threads=None,
                    naive: bool = False, mma=None, q_fp4: bool = False, top_k=None) -> bool:
     """Decode form: out[N] f32 <- q[HI, DI], w[HI], keys_packed[Ncap, bytes], n_visible[1].
     ``q_fp4``: q is on the FP4 grid (hadamard_fp4's output), which lets one warp of the
-    tensor-core scorer hold every head (indexer_mma.indexer_scores_warp). ``top_k`` = (work,
+    tensor-core scorer hold every head (indexer_warp.indexer_scores_warp). ``top_k`` = (work,
     k): the top-k to follow on these scores (its topk_workspace and k), whose first radix
     digit that kernel then counts. Returns whether it did: pass it on as topk's
     ``first_digit_counted``."""
     HI, DI = q.shape
-    if q_fp4 and _use_mma(mma, naive, HI, DI) and indexer_mma.fits_warp(HI, DI):
+    if q_fp4 and _use_mma(mma, naive, HI, DI) and indexer_warp.fits_warp(HI, DI):
         counted = top_k is not None and keys_packed.shape[0] >= out.shape[0]  # (the same n)
-        indexer_mma.indexer_scores_warp(out, q, w, keys_packed, n_visible, stream,
-                                        first_digit=top_k if counted else None)
+        indexer_warp.indexer_scores_warp(out, q, w, keys_packed, n_visible, stream,
+                                         first_digit=top_k if counted else None)
         return counted
     if _use_mma(mma, naive, HI, DI):
         indexer_mma.indexer_scores_mma(out, q, w, keys_packed, n_visible, stream)
@@ -416,8 +416,8 @@ def _grid_barrier(ws, G):
     cuda.syncthreads()
 
 
-_order_key = _inline(indexer_mma.order_key)  # (the scorer counts the first digit with it too)
-assert indexer_mma.FIRST_DIGIT_BINS == _HIST and indexer_mma.FIRST_DIGIT_SHIFT == 32 - RADIX_BITS
+_order_key = _inline(indexer_warp.order_key)  # (the scorer counts the first digit with it too)
+assert indexer_warp.FIRST_DIGIT_BINS == _HIST and indexer_warp.FIRST_DIGIT_SHIFT == 32 - RADIX_BITS
 
 
 @_inline
@@ -425,9 +425,9 @@ def _pick_digit(h, base, nb, need, wsum, xch, found):
     """The digit of the ``need``-th largest entry, from the counts h[base + d] of the nb digits:
     thread t sums the t-th slice of the bins in descending order and a block scan places it
     (_span_scan: warp shuffles and two barriers, where a Hillis-Steele scan over 512 threads
-    had 19 barriers). Sets found[0] = the digit, found[1] = the entries in higher bins, found[2] = in
-    its bin; every thread must call it (whole warps), and reads ``found`` after its closing
-    barrier."""
+    had 19 barriers). Sets found[0] = the digit, found[1] = the entries in higher bins,
+    found[2] = in its bin; every thread must call it (whole warps), and reads ``found`` after
+    its closing barrier."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     per = (nb + nt - 1) // nt
@@ -930,7 +930,7 @@ def bench_cases(stream) -> list[BenchCase]:
                                    scores_only, nbytes, flops=2 * N * HI * (DI + 1)))
         for groups in (1, 2):  # the engine's: q on the FP4 grid, one warp every head
             def one_warp(scores=scores, q=q, w=w, keys=keys, nv=nv, groups=groups):
-                indexer_mma.indexer_scores_warp(scores, q, w, keys, nv, stream, groups=groups)
+                indexer_warp.indexer_scores_warp(scores, q, w, keys, nv, stream, groups=groups)
             cases.append(BenchCase("indexer", f"indexer_scores tensor cores, a warp every head "
                                    f"({8 * groups} keys a step) N={N} HI={HI}", one_warp, nbytes,
                                    flops=2 * N * HI * (DI + 1)))
