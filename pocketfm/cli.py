@@ -334,11 +334,10 @@ def inspect(path, all_keys):
 @click.option("--decode-ab", is_flag=True,
               help="Then time the decode steps again under variants that each undo one landed "
                    "change (one stream instead of the side-stream branches; HC pre's u block of "
-                   "512 threads; x limbs a thread a chunk) or try a candidate (the q_a norm "
-                   "inside q_b's x limbs, on every layer or off the CSA layers; the indexer's "
-                   "scores by one warp holding every head, alone and counting the top-k's "
-                   "first digit; out_a's x limbs made by the attention's combine; the "
-                   "indexer query's Hadamard a warp a vector), each step "
+                   "512 threads; x limbs a thread a chunk; the q_a norm as its own launch; the "
+                   "indexer's scores a warp per 16 heads; the top-k counting its first digit; "
+                   "out_a's limbs as their own launch) or try a candidate (the q_a norm folded "
+                   "on every layer; the indexer query's Hadamard a warp a vector), each step "
                    "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "

@@ -160,17 +160,20 @@ def test_the_q_a_norm_folded_into_q_b_limbs_changes_no_logit():
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the tensor-core scorers)")
 def test_the_indexer_and_combine_candidates_change_no_logit():
-    """The candidates: the indexer's scores by one warp holding every head, then with the
-    top-k's first digit counted by it, against the 16-heads-a-warp scorer (the scores'
-    summation order differs; the picks' ranks may swap only between near-equal keys); out_a's
-    limbs made by the attention's combine: the same words, so the same logits, bit for bit;
-    the indexer query's Hadamard a warp a vector."""
+    """The indexer's scores by one warp holding every head, then with the top-k's first digit
+    counted by it, against the 16-heads-a-warp scorer (the scores' summation order differs; the
+    picks' ranks may swap only between near-equal keys); out_a's limbs made by the attention's
+    combine against their own launch: the same words, so the same logits, bit for bit; the
+    indexer query's Hadamard a warp a vector. Each setting named, so the defaults don't matter."""
+    base = dict(indexer_one_warp=False, scorer_counts_first_digit=False, limbs_in_combine=False,
+                hadamard_warp=None)
     logits = _flash_4_layer_logits({
-        "landed": {}, "one warp": dict(indexer_one_warp=True),
-        "first digit": dict(indexer_one_warp=True, scorer_counts_first_digit=True),
-        "combine limbs": dict(limbs_in_combine=True),
-        "Hadamard a warp a vector": dict(hadamard_warp=True)})
+        "16 heads a warp": base,
+        "one warp": dict(base, indexer_one_warp=True),
+        "first digit": dict(base, indexer_one_warp=True, scorer_counts_first_digit=True),
+        "combine limbs": dict(base, limbs_in_combine=True),
+        "Hadamard a warp a vector": dict(base, hadamard_warp=True)})
     assert np.array_equal(logits["one warp"], logits["first digit"])  # same scores and picks
-    assert _rel(logits["one warp"], logits["landed"]) <= 1e-4
-    assert np.array_equal(logits["combine limbs"], logits["landed"])
-    assert _rel(logits["Hadamard a warp a vector"], logits["landed"]) <= 1e-4
+    assert _rel(logits["one warp"], logits["16 heads a warp"]) <= 1e-4
+    assert np.array_equal(logits["combine limbs"], logits["16 heads a warp"])
+    assert _rel(logits["Hadamard a warp a vector"], logits["16 heads a warp"]) <= 1e-4

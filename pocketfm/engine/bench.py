@@ -240,24 +240,22 @@ def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> d
 def _decode_variants() -> dict:
     """What ``bench --decode-ab`` times against the step as landed: DecodeEngine settings that
     undo one change each (the side streams; HC pre's u block of 1,024 threads with the norm
-    from registers; the dp4a GEMVs' x limbs four threads a chunk) or try a candidate (the q_a
-    norm folded into q_b's x limbs, on every layer or off the CSA layers: its first build, a
-    thread an element, measured 8.04 against 7.97 ms, H100, 30 layers, 2026-12-05, so off; the
-    indexer's scores by one warp holding every head, alone and counting the top-k's first
-    digit too; attn_output_a's x limbs made by the attention's combine: these three built in a
-    session without a GPU, not yet measured; the indexer query's Hadamard on the prefill's
-    warp kernel, whose DI-compiled build was never timed at the decode's 64 vectors).
-    HC pre's mix and u in one launch (the last block to finish making u) was a candidate too,
-    8.30 against 7.94 ms, and was dropped."""
+    from registers; the dp4a GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's
+    limbs off the CSA layers; the indexer's scores by one warp holding every head, and the
+    top-k's first digit counted by it; out_a's limbs made by the attention's combine) or try a
+    candidate (the q_a norm folded on every layer: slower, the CSA layers' indexer path gets
+    longer; the indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j)). HC pre's
+    mix and u in one launch (the last block to finish making u) was a candidate too, 8.30
+    against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
-            "q_a norm folded into q_b's limbs": dict(fold_q_a_norm=True),
-            "q_a norm folded on non-CSA layers": dict(fold_q_a_norm="non-csa"),
+            "q_a norm folded on every layer": dict(fold_q_a_norm=True),
+            "q_a norm as its own launch": dict(fold_q_a_norm=False),
             "HC pre's u block of 512 threads": dict(hc_u_threads=512),
             "x limbs a thread a chunk": dict(limbs_by_words=False),
-            "indexer scores by one warp holding every head": dict(indexer_one_warp=True),
-            "... and the top-k's first digit counted by it": dict(
-                indexer_one_warp=True, scorer_counts_first_digit=True),
-            "out_a's limbs made by the attention's combine": dict(limbs_in_combine=True),
+            "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
+                indexer_one_warp=False),
+            "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
+            "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True)}
 
 

@@ -139,26 +139,28 @@ class DecodeEngine:
         # runs beside the routed ones on ``side``.
         self.side, self.branches = device.SideStream(), True
         self.side_q, self.side_idx = device.SideStream(), device.SideStream()
-        # candidate (bench --decode-ab): the q_a norm inside q_b's x preparation, where q_b
-        # takes the dp4a kernel (one launch fewer on an HCA layer's query path): True, or
-        # "non-csa" (not where q_b runs beside the indexer, whose path the fold would lengthen)
-        self.fold_q_a_norm = False
+        # the q_a norm inside q_b's x preparation, where q_b takes the dp4a kernel (one launch
+        # fewer on the query's path), on the layers without an indexer ("non-csa"): there q_b
+        # is on the path; on CSA layers it runs beside the indexer, whose path the fold would
+        # lengthen (True: every layer, a slower candidate; False: the norm's own launch). H100,
+        # 30 layers, bench --decode-ab: 7.795 / 7.655 against 7.814 / 7.678 ms (2026-12-05 (j))
+        self.fold_q_a_norm = "non-csa"
         # HC pre's u block: None, its own choice (V4: 1024 threads, the norm from registers);
         # 512: the block before that (two-pass norm), for bench --decode-ab
         self.hc_u_threads = None
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
-        # candidates (bench --decode-ab; built without a GPU to measure them on, so off): the
-        # indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
-        # instead of a warp per 16 heads; with it, the top-k's first radix digit counted by the
-        # scorer (not with the Memory Indexer's mask between the two)
-        self.indexer_one_warp = False
-        self.scorer_counts_first_digit = False
-        # candidate: attn_output_a's x limbs made by the attention's combine (one launch fewer
-        # on every layer's path), where out_a runs the dp4a kernel
-        self.limbs_in_combine = False
+        # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
+        # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
+        # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
+        self.indexer_one_warp = True
+        self.scorer_counts_first_digit = True
+        # attn_output_a's x limbs made by the attention's combine (one launch fewer on every
+        # layer's path), where out_a runs the dp4a kernel: 7.803 / 7.653 against 7.814 / 7.678
+        self.limbs_in_combine = True
         # candidate: the indexer query's Hadamard + FP4 a warp a vector (DI compiled in; the
-        # prefill's kernel) instead of a block a vector (None: the launcher's pick, the block)
+        # prefill's kernel) instead of a block a vector (None: the launcher's pick, the block):
+        # 7.816 / 7.675 against 7.814 / 7.678 ms, nil
         self.hadamard_warp = None
         if device.SIMULATOR:
             simulator_prefers_rows()

@@ -478,7 +478,9 @@ def _iq2_xxs_dot(u, d, unused, wa, wb, xh, xl, xsum, tab, lane):
             hi1 = _dp4a_ss(c1, xh[8 * g + 2 * i + 1], hi1)
             lo1 = _dp4a_su(c1, xl[8 * g + 2 * i + 1], lo1)
         db = d * (float32(0.5) + float32(sw >> uint32(28))) * float32(0.25)
-        acc += db * float32((hi0 + hi1) * 256 + lo0 + lo1)
+        # (int32: the sum fits, |.| <= 2 * 16 * 43 * 32767; Numba would widen it to int64 and
+        # convert from there, a few instructions more a group)
+        acc += db * float32(int32((hi0 + hi1) * 256 + lo0 + lo1))
     return acc
 
 
