@@ -326,7 +326,7 @@ class DecodeEngine:
         else:
             comp, sel, n_comp, every = self.no_comp, self.no_sel, self.zero_count, 0
         G = cfg.o_groups
-        xo = None  # (candidate) out_a's x limbs, made by the attention's combine
+        xo = None  # out_a's x limbs, made by the attention's combine
         if self.limbs_in_combine and takes_limbs(L.out_a, grouped=True):
             xo = device.stream_buffer("attention out limbs", s, (G, H * K // G // 16 * XLW),
                                       np.int32)

@@ -28,7 +28,7 @@ from .. import ops
 from . import device, kvpack
 from .bench import BenchCase
 from .device import cdiv
-from .gemv import XLW, _limb, _limb_scales, _make_limbs
+from .gemv import XLW, _as_int32, _limb_bytes, _limb_scales, _make_limbs
 from .lowbit_layout import _f32_bits
 from .norm_rope import rope, rope_element
 
@@ -501,8 +501,8 @@ def _attention_combine_limbs(out, xl, part, sinks, pos, freqs):
     (gemv.py's words: XLW a 16-column chunk of out viewed as rows of xl.shape[1] / XLW · 16
     values), made here instead of by a launch of their own on the step's critical path. A chunk
     is 16 neighbouring threads (K and the block a multiple of 16): its max by 4 xor shuffles,
-    each thread its element's 3 roundings (gemv._limb, as _q8_0_x_limbs_words makes them: the
-    same words), and one thread in four packs four elements' bytes through shared memory."""
+    each thread its element's 3 roundings (gemv._limb_bytes, as _q8_0_x_limbs_words makes them:
+    the same words), and one thread in four packs four elements' bytes through shared memory."""
     o = _combined(out, part, sinks, pos, freqs)
     K = out.shape[1]
     h = cuda.blockIdx.y
@@ -514,12 +514,8 @@ def _attention_combine_limbs(out, xl, part, sinks, pos, freqs):
     for off in (1, 2, 4, 8):
         amax = max(amax, device.xor_shfl(amax, off, xch))
     s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
-    q1, r = _limb(o, s1, i1)
-    q2, r = _limb(r, s2, i2)
-    q3, r = _limb(r, s3, i3)
-    qb[t] = q1 & 0xFF
-    qb[MAX_COMBINE_THREADS + t] = q2 & 0xFF
-    qb[2 * MAX_COMBINE_THREADS + t] = q3 & 0xFF
+    qb[t], qb[MAX_COMBINE_THREADS + t], qb[2 * MAX_COMBINE_THREADS + t] = _limb_bytes(
+        o, s1, s2, s3, i1, i2, i3)
     cuda.syncthreads()
     if d < K and d % 4 == 0:
         f = h * K + d  # out's flat index: row, 16-column chunk c, word m of the chunk
@@ -530,7 +526,7 @@ def _attention_combine_limbs(out, xl, part, sinks, pos, freqs):
         for li in range(3):
             b = li * MAX_COMBINE_THREADS + t
             a = qb[b] + (qb[b + 1] << 8) + (qb[b + 2] << 16) + (qb[b + 3] << 24)
-            xl[row, XLW * c + 4 * li + m] = a - (1 << 32) if a >= 1 << 31 else a
+            xl[row, XLW * c + 4 * li + m] = _as_int32(a)
         xl[row, XLW * c + 12 + m] = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
 
 
@@ -716,7 +712,7 @@ def bench_cases(stream) -> list[BenchCase]:
                                    f"M={W}+{ncomp}", launch, nbytes, flops=4 * H * K * M,
                                    target="<= 20 us" if mode == "CSA" else ""))
         # the launcher's pick with attn_output_a's x limbs made by the combine (8 groups), and
-        # the limbs launch it saves, as the engine would run it without (the decode candidate)
+        # the limbs launch it saves, as the engine would run it without
         out = cuda.device_array((H, K), np.float32, stream=stream)
         xl = cuda.device_array((8, H * K // 8 // 16 * XLW), np.int32, stream=stream)
         for fused in (True, False):

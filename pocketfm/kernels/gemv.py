@@ -27,8 +27,8 @@ Kernels, picked by the launcher from T (``gemv_<t>(..., method=...)`` forces one
   every block loads its lanes' limbs from that copy instead of quantising x itself. dp4a takes
   ~20 instructions per 16 weight bytes where the float kernel takes ~80. ``q8_0_limbs`` makes
   the limbs ahead of the GEMV (``gemv_q8_0(limbs=)``), optionally with an RMSNorm of x in the
-  same launch (``_q8_0_x_limbs_norm``: the decode's q_a norm before q_b, a candidate, off; its
-  first build, a thread an element, measured 0.9% slower in the step).
+  same launch (``_q8_0_x_limbs_norm``: the decode's q_a norm before q_b, on the layers without
+  an indexer: 0.3% faster a step there, slower where q_b runs beside the indexer).
 - ``_gemm_<t>_smem_tiles`` (prefill, T > 4): a shared-memory tiled SGEMM; each weight tile is
   dequantised once into shared memory and reused by a tile of tokens. On a GPU the launcher
   hands these shapes to the tensor-core GEMM of mma.py instead (bf16x3 MMAs, float32-exact to
@@ -341,16 +341,14 @@ def _x_limbs(x, t, base, ok):
     for m in range(4):
         a1, a2, a3 = 0, 0, 0
         for k in range(4):
-            r = x[t, base + 4 * m + k] if ok else np.float32(0)
-            q1, r = _limb(r, s1, i1)
-            q2, r = _limb(r, s2, i2)
-            q3, r = _limb(r, s3, i3)
-            a1 += (q1 & 0xFF) << (8 * k)
-            a2 += (q2 & 0xFF) << (8 * k)
-            a3 += (q3 & 0xFF) << (8 * k)
-        words[m] = a1 - (1 << 32) if a1 >= 1 << 31 else a1
-        words[4 + m] = a2 - (1 << 32) if a2 >= 1 << 31 else a2
-        words[8 + m] = a3 - (1 << 32) if a3 >= 1 << 31 else a3
+            b1, b2, b3 = _limb_bytes(x[t, base + 4 * m + k] if ok else np.float32(0),
+                                     s1, s2, s3, i1, i2, i3)
+            a1 += b1 << (8 * k)
+            a2 += b2 << (8 * k)
+            a3 += b3 << (8 * k)
+        words[m] = _as_int32(a1)
+        words[4 + m] = _as_int32(a2)
+        words[8 + m] = _as_int32(a3)
     return ((words[0], words[1], words[2], words[3], words[4], words[5], words[6], words[7],
              words[8], words[9], words[10], words[11]), (s1, s2, s3))
 
@@ -372,6 +370,22 @@ def _limb(r, s, inv):
     leaves more for the next limb."""
     q = min(127, max(-127, int(math.floor(r * inv + np.float32(0.5)))))
     return q, r - np.float32(q) * s
+
+
+@cuda.jit(device=True)
+def _limb_bytes(v, s1, s2, s3, i1, i2, i3):
+    """v's three limbs (``_limb`` on what each leaves) as the bytes a limb word holds: every
+    maker of the dp4a GEMV's x (a thread a chunk, four, the attention's combine) rounds so."""
+    q1, r = _limb(v, s1, i1)
+    q2, r = _limb(r, s2, i2)
+    q3, r = _limb(r, s3, i3)
+    return q1 & 0xFF, q2 & 0xFF, q3 & 0xFF
+
+
+@cuda.jit(device=True)
+def _as_int32(a):
+    """A limb word assembled from four bytes (0 .. 2^32 - 1) as the int32 it is stored as."""
+    return a - (1 << 32) if a >= 1 << 31 else a
 
 
 XLW = 16  # words of prepared x per 16-column chunk: 12 limb words, s1's bits, 3 zero (64 bytes)
@@ -409,17 +423,15 @@ def _chunk_words(xl, t, c, m, vals, scratch, ok):
     s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
     a1, a2, a3 = 0, 0, 0
     for k in range(4):
-        q1, r = _limb(vals[k], s1, i1)
-        q2, r = _limb(r, s2, i2)
-        q3, r = _limb(r, s3, i3)
-        a1 += (q1 & 0xFF) << (8 * k)
-        a2 += (q2 & 0xFF) << (8 * k)
-        a3 += (q3 & 0xFF) << (8 * k)
+        b1, b2, b3 = _limb_bytes(vals[k], s1, s2, s3, i1, i2, i3)
+        a1 += b1 << (8 * k)
+        a2 += b2 << (8 * k)
+        a3 += b3 << (8 * k)
     if ok:
         o = XLW * c
-        xl[t, o + m] = a1 - (1 << 32) if a1 >= 1 << 31 else a1
-        xl[t, o + 4 + m] = a2 - (1 << 32) if a2 >= 1 << 31 else a2
-        xl[t, o + 8 + m] = a3 - (1 << 32) if a3 >= 1 << 31 else a3
+        xl[t, o + m] = _as_int32(a1)
+        xl[t, o + 4 + m] = _as_int32(a2)
+        xl[t, o + 8 + m] = _as_int32(a3)
         xl[t, o + 12 + m] = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
 
 
@@ -469,7 +481,8 @@ def limbs_kernel(name: str):
 def _q8_0_x_limbs_norm(xl, xn, x, w, eps):
     """One block, one row (x [1, K], K <= NORM_LIMBS_MAX_K): xn = x / sqrt(mean(x^2) + eps) * w,
     the RMSNorm with its weight, then xl <- the limbs of xn, the same words as _q8_0_x_limbs
-    makes of it: the decode's q_a norm and q_b's x preparation in one launch (a candidate).
+    makes of it: the decode's q_a norm and q_b's x preparation in one launch (off the CSA
+    layers).
     Four threads a 16-column chunk (``_chunk_words``), each holding its 4 elements from the
     load through the norm to the limbs."""
     scratch = cuda.shared.array(1024, np.float32)  # (the simulator's shuffles and warp sums)

@@ -1,6 +1,7 @@
 """The decode's indexer scores with one warp holding every head, and the top-k's first radix
-digit counted on the way (indexer.indexer_scores(q_fp4=True, top_k=...); a candidate, off in the
-engine until measured: DecodeEngine.indexer_one_warp / scorer_counts_first_digit).
+digit counted on the way (indexer.indexer_scores(q_fp4=True, top_k=...); the engine's, with
+DecodeEngine.indexer_one_warp / scorer_counts_first_digit: −1.8% a step, H100, BENCHMARKS
+2026-12-05 (j)).
 
     indexer_scores_warp   out[N] = Σ_h w[h] · ReLU(q[h] · key_j), j < n_visible; -inf after
 
