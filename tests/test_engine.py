@@ -177,3 +177,12 @@ def test_the_indexer_and_combine_candidates_change_no_logit():
     assert _rel(logits["one warp"], logits["16 heads a warp"]) <= 1e-4
     assert np.array_equal(logits["combine limbs"], logits["16 heads a warp"])
     assert _rel(logits["Hadamard a warp a vector"], logits["16 heads a warp"]) <= 1e-4
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
+def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only():
+    """The routed experts' gate+up on imma.py's kernel against the dp4a GEMV: both round x to
+    15 bits (per 32 and per 64 columns), so the logits agree to that rounding, not bit for bit."""
+    logits = _flash_4_layer_logits({on: dict(imma_gate_up=on) for on in (True, False)})
+    assert _rel(logits[True], logits[False]) <= 1e-3
+    assert not np.array_equal(logits[True], logits[False])  # (it ran)

@@ -162,15 +162,19 @@ class DecodeEngine:
         # prefill's kernel) instead of a block a vector (None: the launcher's pick, the block):
         # 7.816 / 7.675 against 7.814 / 7.678 ms, nil
         self.hadamard_warp = None
+        # candidate: the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
+        # (kernels/imma.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
+        # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j))
+        self.imma_gate_up = False
         if device.SIMULATOR:
             simulator_prefers_rows()
 
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
-        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp) set while
-        inside, as they were after it; the step is captured anew under each (an A/B of the step;
-        an unknown name raises AttributeError)."""
+        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
+        imma_gate_up) set while inside, as they were after it; the step is captured anew under
+        each (an A/B of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -401,7 +405,8 @@ class DecodeEngine:
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
-                  side=side, side_x=self.side_q if self.branches else None)
+                  side=side, side_x=self.side_q if self.branches else None,
+                  imma_gate_up=self.imma_gate_up)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
         return self.f, X, self.post, self.comb  # made by the next HC pre (or before the head)

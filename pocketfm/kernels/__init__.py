@@ -8,4 +8,4 @@ kernel's V4-Flash-shaped benchmark for ``bin/bench-kernels``.
 """
 FAMILIES = ("kvpack", "gemv", "gemv_lowbit", "norm_rope", "hc", "embed_sample", "qat",
             "compressor", "indexer", "attention", "attention_prefill", "moe", "retriever",
-            "kvgather", "mma", "indexer_mma", "indexer_warp", "hmma")
+            "kvgather", "mma", "indexer_mma", "indexer_warp", "hmma", "imma")

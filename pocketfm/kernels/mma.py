@@ -72,14 +72,16 @@ ALIGNED = 2  # per_token value of a launch over expert_order's tiles (1: BN entr
 
 # ---- the MMA instruction ------------------------------------------------------------------------
 if SIMULATOR:
-    def _fragment_index():
-        """Where lane (g, c)'s fragment registers put A[r, k] and B[k, n] (PTX ISA,
-        mma.m16n8k16 .bf16 and .f16 alike): (lane, register, half) per element, for the
-        emulation."""
-        r, k = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
-        a = ((r % 8) * 4 + (k % 8) // 2, (r >= 8) + 2 * (k >= 8), k % 2)
-        k, n = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
-        b = (n * 4 + (k % 8) // 2, 4 + (k >= 8), k % 2)
+    def _fragment_index(K: int = 16, per: int = 2):
+        """Where lane (g, c)'s fragment registers put A[r, k] and B[k, n] of an m16n8 MMA with
+        ``K`` columns, ``per`` elements a 32-bit register (PTX ISA: mma.m16n8k16 .bf16 / .f16,
+        K = 16, per = 2; mma.m16n8k32 .s8, K = 32, per = 4): (lane, register, element) per
+        element, for the emulation; B's registers follow A's four."""
+        h = K // 2
+        r, k = np.meshgrid(np.arange(16), np.arange(K), indexing="ij")
+        a = ((r % 8) * 4 + (k % h) // per, (r >= 8) + 2 * (k >= h), k % per)
+        k, n = np.meshgrid(np.arange(K), np.arange(8), indexing="ij")
+        b = (n * 4 + (k % h) // per, 4 + (k >= h), k % per)
         return a, b
     _FRAG_A, _FRAG_B = _fragment_index()
 

@@ -22,7 +22,8 @@ Fewer launches where the types allow (each saves a launch and, in a graph, a dep
   preparation computes h (``gemv_swiglu``, the same float32 bits). Not when the shared expert
   runs in line and shares the routed SwiGLU launch.
 V4-Flash in the engine (IQ2_XXS gate/up + Q2_K down routed, Q8_0 shared on a side stream;
-a low-bit GEMV is two launches: its x preparation, then the dp4a kernel)::
+a low-bit GEMV is two launches: its x preparation, then the dp4a kernel, or with
+``imma_gate_up`` imma.py's int8 tensor-core kernel for the gate/up)::
 
     main:   router gemv -> route -> join x -> gate/up -> SwiGLU x slots (Q2_K) -> down
             -> join -> combine
@@ -43,7 +44,7 @@ from numba import cuda, float32, int32
 
 from .. import ops
 from ..quants import GGMLType, random_blocks, type_name
-from . import device
+from . import device, imma
 from .bench import BenchCase
 from .device import capture_graph, cdiv
 from .gemv import gemv, gemv_ref
@@ -453,7 +454,7 @@ def _swiglu_down(rows, w_down, g, u, col, weights, clamp, ids, stream, threads) 
 def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, up_exps,
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
-              threads=None, side=None, side_x=None) -> None:
+              threads=None, side=None, side_x=None, imma_gate_up: bool = False) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -463,7 +464,9 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     routed ones are), or all None: no shared expert. ``clamp`` / ``clamp_shared``: SwiGLU
     clamps (<= 0: none). ``side``: a device.SideStream; the shared expert then runs on it,
     beside the routed chain. ``side_x``: another one; the routed gate/up's x preparation
-    (low-bit dp4a) then runs on it beside the router and the routing. Launches only, into
+    (low-bit dp4a) then runs on it beside the router and the routing. ``imma_gate_up``: the
+    fused routed gate/up on imma.py's int8 tensor-core kernel where it takes the weight
+    (IQ2_XXS), instead of the dp4a one (its x preparation on ``side_x`` alike). Launches only, into
     ``scratch``: graph-capturable. Which launches depends on the weight types (module
     docstring); the fusions change no bit of the result.
     """
@@ -484,8 +487,12 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
             gemv(S["up"], shared_up, x, None, ss, threads)
         if not one_swiglu:
             _swiglu_down(S, shared_down, g, u, col, sc.w_one, clamp_shared, None, ss, threads)
+    # the routed gate/up's kernel and x preparation: imma's tensor cores or the dp4a GEMV
+    on_imma = imma_gate_up and fused and imma.takes_imma(gate_exps)
     prepared = None  # x for the routed gate/up, made beside the router: it needs only x
-    if side_x is not None and fused and takes_prepared_x(gate_exps, threads):
+    if side_x is not None and on_imma:
+        prepared = imma.prepare_x(x, side_x.fork(stream))
+    elif side_x is not None and fused and takes_prepared_x(gate_exps, threads):
         prepared = prepare_x(gate_exps, x, side_x.fork(stream))
     gemv(sc.logits, gate_inp, x, None, stream, threads)
     route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash, routed_scale,
@@ -497,7 +504,12 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     x_ids = x if one_x else sc.x_rep
     if prepared is not None:
         side_x.join(stream)
-        gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, threads)
+        if on_imma:
+            imma.gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream)
+        else:
+            gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, threads)
+    elif on_imma:
+        imma.gemv_iq2_xxs_imma(R["gate_up"], gate_exps, x, sc.ids_k, stream)
     elif fused:
         gemv(R["gate_up"], gate_exps, x_ids, sc.ids_k, stream, threads)
     else:

@@ -1,0 +1,97 @@
+"""The IQ2_XXS decode GEMV on the int8 tensor cores (imma.py) against gemv_lowbit's reference.
+
+The kernel rounds x to int16 per 32-column group (|q| <= 32000 of the group's max): each x
+element is off by at most max|x| / 64000, so an output may be off by that times Σ|w| of its
+row; the test checks that bound per output and rel-L2 <= 1e-3 (as the dp4a kernels' test).
+Shapes: one, two and four 512-column stages a row (1, 2 and 4 warps splitting K), 16-row tiles
+with a partial last one, ids with x per token and one x row shared by every id.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels.kernel_testing import fresh_rng, poisoned, rel_err
+from pocketfm import quants
+from pocketfm.kernels import gemv_lowbit as gl
+from pocketfm.kernels import imma
+from pocketfm.quants import GGMLType
+
+X_STEP = 1.0 / 64000
+
+# (experts, N, K, T, ids, one x row for every id)
+SHAPES = [(3, 33, 512, 3, True, False), (1, 16, 2048, 1, False, False),
+          (3, 40, 1024, 2, True, True)]
+
+
+def _case(E, N, K, T, with_ids, one_x):
+    rng = fresh_rng()
+    raw = quants.random_blocks(GGMLType.IQ2_XXS, (E, N, K), rng, std=0.05)
+    w = gl.pack_iq2_xxs(raw, N, K)
+    x = rng.standard_normal((1 if one_x else T, K)).astype(np.float32)
+    ids = rng.integers(0, E, T).astype(np.int32) if with_ids else None
+    xt = np.repeat(x, T, axis=0) if one_x else x
+    ref = np.empty((T, N), np.float64)
+    gl.gemv_iq2_xxs_ref(ref, w, xt, ids)
+    W = np.abs(quants.dequantize(raw, GGMLType.IQ2_XXS).astype(np.float64))
+    W = W[ids if with_ids else [0] * T]  # [T, N, K]
+    bound = X_STEP * np.abs(xt).max(axis=1)[:, None] * W.sum(axis=2)
+    return w, x, ids, ref, bound
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s[1]}-K{s[2]}-T{s[3]}")
+def test_imma_gemv_equals_reference(shape):
+    w, x, ids, ref, bound = _case(*shape)
+    out = poisoned(ref.shape)
+    imma.gemv_iq2_xxs_imma(out, w.to_device(), cuda.to_device(x),
+                           None if ids is None else cuda.to_device(ids))
+    got = out.copy_to_host()
+    assert rel_err(got, ref) <= 1e-3
+    assert np.all(np.abs(got - ref) <= bound + 1e-6 * np.abs(ref) + 1e-7)
+
+
+def test_shared_x_row_equals_its_copies():
+    """One x row for every id gives the same bits as a copy of the row per id."""
+    w, x, ids, _, _ = _case(3, 16, 512, 3, True, True)
+    dw, di = w.to_device(), cuda.to_device(ids)
+    one, rep = poisoned((3, 16)), poisoned((3, 16))
+    imma.gemv_iq2_xxs_imma(one, dw, cuda.to_device(x), di)
+    imma.gemv_iq2_xxs_imma(rep, dw, cuda.to_device(np.repeat(x, 3, axis=0)), di)
+    assert np.array_equal(one.copy_to_host(), rep.copy_to_host())
+
+
+def test_x_preparation_rounds_to_the_group_scale():
+    """x = s · (256 hi + lo) to half a step, s = max|x| / 32000 per 32 columns, both bytes in
+    int8 range (a group of zeros gives zeros)."""
+    T, K = 2, 512
+    x = fresh_rng().standard_normal((T, K)).astype(np.float32)
+    x[1, 32:64] = 0
+    xq, xs = imma.prepare_x(cuda.to_device(x))
+    planes = xq.copy_to_host().view(np.int8).reshape(T, 2, K).astype(np.int64)
+    s = xs.copy_to_host().reshape(T, K // 32)
+    np.testing.assert_allclose(s, np.abs(x).reshape(T, -1, 32).max(axis=2) / 32000, rtol=1e-6)
+    q = 256 * planes[:, 0] + planes[:, 1]
+    assert np.abs(q).max() <= 32000
+    step = np.repeat(s, 32, axis=1)
+    assert np.all(np.abs(q * step - x) <= 0.5 * step * (1 + 1e-5) + 1e-12)
+    assert np.all(q[1, 32:64] == 0)
+
+
+def test_tables_make_the_signed_grid():
+    """The code and sign nibbles, through prmt's selection, give every grid row's signed bytes
+    for every 7-bit sign index (the reference's grid · ksigns)."""
+    codes, signs = imma._TABLES[:256].astype(np.int64), imma._TABLES[256:].astype(np.int64)
+    src = np.array([8, 25, 43, 0, -8, -25, -43, 0])
+    sel = (codes[:, None] | signs[None, :])  # [256, 128]
+    got = np.stack([src[(sel >> (4 * k)) & 7] for k in range(8)], axis=-1)
+    s8 = quants.KSIGNS_IQ2XS.astype(np.int64)
+    neg = (s8[None, :, None] >> np.arange(8)) & 1
+    want = quants.IQ2XXS_GRID.astype(np.int64)[:, None, :] * (1 - 2 * neg)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_takes_only_whole_stages_of_iq2_xxs():
+    rng = fresh_rng()
+    for qtype, K, ok in ((GGMLType.IQ2_XXS, 512, True), (GGMLType.IQ2_XXS, 256, False),
+                         (GGMLType.Q2_K, 512, False)):
+        raw = quants.random_blocks(qtype, (4, K), rng, std=0.05)
+        assert imma.takes_imma(gl.PACKERS[qtype](raw, 4, K)) is ok
