@@ -181,8 +181,12 @@ def test_the_indexer_and_combine_candidates_change_no_logit():
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
 def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only():
-    """The routed experts' gate+up on imma.py's kernel against the dp4a GEMV: both round x to
-    15 bits (per 32 and per 64 columns), so the logits agree to that rounding, not bit for bit."""
-    logits = _flash_4_layer_logits({on: dict(imma_gate_up=on) for on in (True, False)})
-    assert _rel(logits[True], logits[False]) <= 1e-3
-    assert not np.array_equal(logits[True], logits[False])  # (it ran)
+    """The routed experts' gate+up on imma.py's kernel, then also their down on imma_q2_k.py's,
+    against the dp4a GEMVs: all round x to 15 bits (per 32 / 256 and per 64 columns), so the
+    logits agree to that rounding, not bit for bit."""
+    logits = _flash_4_layer_logits({"dp4a": dict(imma_gate_up=False, imma_down=False),
+                                    "gate+up": dict(imma_gate_up=True, imma_down=False),
+                                    "and down": dict(imma_gate_up=True, imma_down=True)})
+    for on in ("gate+up", "and down"):
+        assert _rel(logits[on], logits["dp4a"]) <= 1e-3, on
+    assert len({logits[k].tobytes() for k in logits}) == 3  # (each ran)

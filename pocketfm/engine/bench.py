@@ -245,7 +245,8 @@ def _decode_variants() -> dict:
     top-k's first digit counted by it; out_a's limbs made by the attention's combine) or try a
     candidate (the q_a norm folded on every layer: slower, the CSA layers' indexer path gets
     longer; the indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the
-    routed gate+up on imma.py's int8 tensor cores instead of the dp4a GEMV). HC pre's
+    routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV, and with it the
+    routed Q2_K down on imma_q2_k.py's). HC pre's
     mix and u in one launch (the last block to finish making u) was a candidate too, 8.30
     against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
@@ -258,7 +259,9 @@ def _decode_variants() -> dict:
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
             "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
-            "the routed gate+up on int8 tensor cores (imma)": dict(imma_gate_up=True)}
+            "the routed gate+up on int8 tensor cores (imma)": dict(imma_gate_up=True),
+            "the routed gate+up and down on int8 tensor cores (imma)": dict(imma_gate_up=True,
+                                                                            imma_down=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

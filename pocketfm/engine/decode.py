@@ -163,9 +163,12 @@ class DecodeEngine:
         # 7.816 / 7.675 against 7.814 / 7.678 ms, nil
         self.hadamard_warp = None
         # candidate: the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
-        # (kernels/imma.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
-        # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j))
+        # (kernels/imma_iq2_xxs.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
+        # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j)); True, or
+        # the name of one of imma_iq2_xxs.CANDIDATES' builds; and the routed Q2_K down likewise
+        # (kernels/imma_q2_k.py: the sub-block scales in the codes, C through a super-block)
         self.imma_gate_up = False
+        self.imma_down = False
         if device.SIMULATOR:
             simulator_prefers_rows()
 
@@ -173,7 +176,7 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        imma_gate_up) set while inside, as they were after it; the step is captured anew under
+        imma_gate_up, imma_down) set while inside, as they were after it; the step is captured anew under
         each (an A/B of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
@@ -406,7 +409,7 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
         return self.f, X, self.post, self.comb  # made by the next HC pre (or before the head)

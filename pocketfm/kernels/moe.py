@@ -23,7 +23,8 @@ Fewer launches where the types allow (each saves a launch and, in a graph, a dep
   runs in line and shares the routed SwiGLU launch.
 V4-Flash in the engine (IQ2_XXS gate/up + Q2_K down routed, Q8_0 shared on a side stream;
 a low-bit GEMV is two launches: its x preparation, then the dp4a kernel, or with
-``imma_gate_up`` imma.py's int8 tensor-core kernel for the gate/up)::
+``imma_gate_up`` / ``imma_down`` the int8 tensor-core kernels of imma_iq2_xxs.py /
+imma_q2_k.py)::
 
     main:   router gemv -> route -> join x -> gate/up -> SwiGLU x slots (Q2_K) -> down
             -> join -> combine
@@ -44,7 +45,7 @@ from numba import cuda, float32, int32
 
 from .. import ops
 from ..quants import GGMLType, random_blocks, type_name
-from . import device, imma
+from . import device, imma_iq2_xxs, imma_q2_k
 from .bench import BenchCase
 from .device import capture_graph, cdiv
 from .gemv import gemv, gemv_ref
@@ -440,11 +441,15 @@ class MoEScratch:
         return sum(int(getattr(self, n).nbytes) for n in owned)
 
 
-def _swiglu_down(rows, w_down, g, u, col, weights, clamp, ids, stream, threads) -> None:
+def _swiglu_down(rows, w_down, g, u, col, weights, clamp, ids, stream, threads,
+                 imma_down=False) -> None:
     """rows["down"] = W_down[ids] · h, h = weights · SwiGLU(rows[g], rows[u]): h made inside the
     down GEMV's x preparation (gemv_swiglu, one launch fewer, rows["h"] left unwritten) when
-    gate and up are fused and W_down is low-bit, else the SwiGLU launch into rows["h"] first."""
-    if g == u and fuses_swiglu(w_down, threads):
+    gate and up are fused and W_down is low-bit (with ``imma_down`` and Q2_K: imma_q2_k's int8
+    tensor-core kernel), else the SwiGLU launch into rows["h"] first."""
+    if g == u and imma_down and imma_q2_k.takes_imma_q2_k(w_down):
+        imma_q2_k.gemv_swiglu_imma(rows["down"], w_down, rows[g], weights, clamp, ids, stream)
+    elif g == u and fuses_swiglu(w_down, threads):
         gemv_swiglu(rows["down"], w_down, rows[g], weights, clamp, ids, stream, threads)
     else:
         _swiglu_launch(rows["h"], rows[g], rows[u], weights, clamp, col, stream, threads)
@@ -454,7 +459,8 @@ def _swiglu_down(rows, w_down, g, u, col, weights, clamp, ids, stream, threads) 
 def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, up_exps,
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
-              threads=None, side=None, side_x=None, imma_gate_up: bool = False) -> None:
+              threads=None, side=None, side_x=None, imma_gate_up=False,
+              imma_down: bool = False) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -464,10 +470,11 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     routed ones are), or all None: no shared expert. ``clamp`` / ``clamp_shared``: SwiGLU
     clamps (<= 0: none). ``side``: a device.SideStream; the shared expert then runs on it,
     beside the routed chain. ``side_x``: another one; the routed gate/up's x preparation
-    (low-bit dp4a) then runs on it beside the router and the routing. ``imma_gate_up``: the
-    fused routed gate/up on imma.py's int8 tensor-core kernel where it takes the weight
-    (IQ2_XXS), instead of the dp4a one (its x preparation on ``side_x`` alike). Launches only, into
-    ``scratch``: graph-capturable. Which launches depends on the weight types (module
+    (low-bit dp4a) then runs on it beside the router and the routing. ``imma_gate_up`` (True,
+    or a name of imma_iq2_xxs.CANDIDATES): the fused routed gate/up on imma_iq2_xxs.py's int8
+    kernel where it takes the weight (IQ2_XXS), instead of the dp4a one (its x preparation on
+    ``side_x`` alike); ``imma_down``: the routed down on imma_q2_k's kernel where it takes the
+    weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable. Which launches depends on the weight types (module
     docstring); the fusions change no bit of the result.
     """
     sc, F = scratch, scratch.F
@@ -488,10 +495,11 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
         if not one_swiglu:
             _swiglu_down(S, shared_down, g, u, col, sc.w_one, clamp_shared, None, ss, threads)
     # the routed gate/up's kernel and x preparation: imma's tensor cores or the dp4a GEMV
-    on_imma = imma_gate_up and fused and imma.takes_imma(gate_exps)
+    on_imma = bool(imma_gate_up) and fused and imma_iq2_xxs.takes_imma(gate_exps)
+    build = None if imma_gate_up is True else imma_gate_up  # (a name: one of its candidates)
     prepared = None  # x for the routed gate/up, made beside the router: it needs only x
     if side_x is not None and on_imma:
-        prepared = imma.prepare_x(x, side_x.fork(stream))
+        prepared = imma_iq2_xxs.prepare_x(x, side_x.fork(stream))
     elif side_x is not None and fused and takes_prepared_x(gate_exps, threads):
         prepared = prepare_x(gate_exps, x, side_x.fork(stream))
     gemv(sc.logits, gate_inp, x, None, stream, threads)
@@ -505,11 +513,12 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     if prepared is not None:
         side_x.join(stream)
         if on_imma:
-            imma.gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream)
+            imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, build)
         else:
             gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, threads)
     elif on_imma:
-        imma.gemv_iq2_xxs_imma(R["gate_up"], gate_exps, x, sc.ids_k, stream)
+        imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, imma_iq2_xxs.prepare_x(x, stream), sc.ids_k, stream,
+                           build)
     elif fused:
         gemv(R["gate_up"], gate_exps, x_ids, sc.ids_k, stream, threads)
     else:
@@ -521,7 +530,8 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
         gemv(R["down"], down_exps, R["h"], sc.ids_k, stream, threads)
         gemv(S["down"], shared_down, S["h"], None, stream, threads)
     else:
-        _swiglu_down(R, down_exps, g, u, col, sc.w_k, clamp, sc.ids_k, stream, threads)
+        _swiglu_down(R, down_exps, g, u, col, sc.w_k, clamp, sc.ids_k, stream, threads,
+                     imma_down)
     if has_shared and side is not None:
         side.join(stream)
     combine_chunk(out, sc.down_r3, S["down"] if has_shared else sc.zero, stream, threads)

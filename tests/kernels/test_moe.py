@@ -235,7 +235,8 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
         side_x = SideStream() if step.get("side_x") else None
         moe.moe_layer(out, d_x, bias=d_bias, tid2eid=d_tid2eid, token=d_token, scratch=scratch,
                       threads=THREADS, side=side, side_x=side_x,
-                      imma_gate_up=step.get("imma", False), **d, **layer)
+                      imma_gate_up=step.get("imma", False),
+                      imma_down=step.get("imma_down", False), **d, **layer)
         cuda.synchronize()
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
@@ -299,20 +300,29 @@ def test_moe_layer_lowbit_without_shared_expert_fusions_change_no_bit(monkeypatc
 
 
 def test_moe_layer_routed_gate_up_on_imma(monkeypatch):
-    """The fused IQ2_XXS gate/up on imma.py's int8 tensor-core kernel (D = 512: whole 512-column
-    stages), with its x prepared beside the router (side_x) and in line: the reference's
-    output (its own x rounding, per 32 columns; test_imma.py checks the kernel's bound)."""
+    """The fused IQ2_XXS gate/up on imma_iq2_xxs.py's int8 tensor-core kernel (D = 512: whole 512-column
+    stages), with its x prepared beside the router (side_x) and in line, then also the Q2_K
+    down on imma_q2_k's: the reference's output (their own x roundings; test_imma_iq2_xxs.py and
+    test_imma_q2_k.py check the kernels' bounds)."""
     ran = []
-    for name in ("gemv_prepared", "gemv_iq2_xxs_imma"):
-        def spy(*args, _f=getattr(moe.imma, name), **kwargs):
-            ran.append(_f.__name__)
-            return _f(*args, **kwargs)
-        monkeypatch.setattr(moe.imma, name, spy)
+    real = moe.imma_iq2_xxs.gemv_prepared
+
+    def spy(*args, **kwargs):
+        ran.append(args[1])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(moe.imma_iq2_xxs, "gemv_prepared", spy)
     rng = fresh_rng()
     D, F, E, k = 512, 256, 4, 2
     host = _weights(rng, D, F, E, routed=(GGMLType.IQ2_XXS, GGMLType.Q2_K))
     steps = [dict(no_shared=True, fused=True, imma=True, side_x=True),
-             dict(no_shared=True, fused=True, imma=True, clamp=1.0)]
+             dict(no_shared=True, fused=True, imma=True, clamp=1.0, imma_down=True)]
+    downs = []
+    real_down = moe.imma_q2_k.gemv_swiglu_imma
+
+    def spy_down(*args, **kwargs):
+        downs.append(args[1])
+        return real_down(*args, **kwargs)
+    monkeypatch.setattr(moe.imma_q2_k, "gemv_swiglu_imma", spy_down)
     _check_moe_layer(rng, host, D, F, E, k, steps, tol=5e-4)
-    assert ran == ["gemv_prepared", "gemv_iq2_xxs_imma", "gemv_prepared"]  # (the second
-    # prepares x in line and calls gemv_prepared)
+    assert len(ran) == 2  # both steps ran the imma GEMV
+    assert len(downs) == 1  # and the second the Q2_K down on imma_q2_k

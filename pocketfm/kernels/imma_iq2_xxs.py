@@ -1,0 +1,356 @@
+"""The IQ2_XXS decode GEMV on the int8 tensor cores (imma.py's MMA): out[T, N] = W[ids[t]] ·
+x[t] (or W · x[t]) for a packed IQ2_XXS weight (gemv_lowbit's planes, unchanged).
+
+Why: the routed experts' fused gate+up (6 of 256 experts, 4096 x 4096 IQ2_XXS each, ~26 MB a
+step and layer) is gemv_lowbit's dp4a kernel's largest launch, and Nsight shows it bound by
+instruction issue, not memory: 6.2 thread instructions a weight (a grid lookup, ~11
+instructions of signs and 4 dp4a per 8 weights), the issue slots 71% busy, DRAM 7% (H100,
+BENCHMARKS 2026-12-05 (j)). Here one MMA takes 16 rows x one 32-column group (512 weights),
+and the codes come from two table lookups and two byte permutes per 8 weights: 2.75 thread
+instructions a weight (SASS, (k)).
+
+- A: lane c's 8 columns of the group are its grid row c, of rows g and g + 8.
+- B: x as int16 per 32-column group (s = max|x| / 32000), hi and lo bytes (imma.py).
+- Scales: a weight is d · (2 ls + 1) / 8 · code · sign (ls: the group's 4-bit scale, d: the
+  256-column super-block's float16), so a group adds float(v · (2 ls + 1)) · s to a super-block
+  sum (|v · (2 ls + 1)| < 2^31), and each super-block adds that sum · d / 8.
+
+Codes: a grid row's 8 magnitudes are 8, 25 or 43, and a lane makes its 8 int8 codes with two
+``prmt`` (byte permute) from the constant words (8, 25, 43, 0) and (-8, -25, -43, 0): the
+selector nibble of byte k is its magnitude's index (``_code_nibbles``, by grid index) plus 4 if
+negative (``_sign_nibbles``, by the 7 sign bits, the parity bit included; or, a candidate, by
+two multiplies). The tables sit in shared memory, REPS copies so that a warp's lookups spread
+over the banks (measured: still ~3 of 32 random lookups a bank, (k)).
+
+Block: WARPS warps on one tile of 16 rows, splitting K: warp w takes the 512-column stages
+w, w + WARPS, ... Each stage's 16 rows x 128 bytes are loaded coalesced (a lane 4 x 16 bytes,
+each instruction 4 whole rows' 128 bytes) a stage ahead into registers, stored to the warp's
+shared rows (padded: the 8 rows one LDS reads sit in distinct banks), and read back 8 bytes a
+row and group. Blocks loop over the tiles of their token (a persistent grid of the resident
+blocks). The warps' sums meet in shared memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int32, uint32, uint64
+
+from .. import quants
+from ..quants import GGMLType
+from .bench import BenchCase
+from .device import SIMULATOR, cdiv, kernel, resident_blocks, stream_buffer, xor_shfl
+from .imma import (ROWS, WARPS, XCH, _lds_u32, _mma_s8, _shared_at, _shf_r, _syncwarp,
+                   _tile_out, graph_cases, hi_lo_bytes, routed_setup,
+                   tile_thread)
+from .lowbit_layout import _ld_u64x2, _prmt
+from .qweight import QWeight
+
+GROUP = 32  # columns a group (the MMA's K; one IQ2_XXS scale)
+STAGE = 16  # groups a warp stages at a time: 512 columns, 128 bytes of each row
+STAGE_LD = STAGE + 2  # uint64 words a staged row takes in shared memory (module doc: banks)
+STAGED_WORDS = WARPS * ROWS * STAGE_LD  # the warps' staged rows in shared memory
+REPS = 8  # copies of each table in shared memory (lane l reads copy l % REPS)
+PREP_THREADS = 128  # x preparation: threads a block (a thread makes 8 columns)
+SHF = PREP_THREADS if SIMULATOR else 1  # simulator lane exchange (x preparation)
+
+
+# ---- tables ---------------------------------------------------------------------------------
+def _code_nibbles() -> np.ndarray:
+    """uint32 [256]: nibble k = the index (0, 1, 2) of grid row i's magnitude k in (8, 25, 43)."""
+    grid = quants.IQ2XXS_GRID.astype(np.int64)  # [256, 8]
+    code = np.searchsorted(np.array([8, 25, 43]), grid)
+    assert np.array_equal(np.array([8, 25, 43])[code], grid), "IQ2_XXS grid: 8, 25 or 43 only"
+    return (code << (4 * np.arange(8))).sum(axis=1).astype(np.uint32)
+
+
+def _sign_nibbles() -> np.ndarray:
+    """uint32 [128]: bit 2 of nibble k = sign bit k of the 7-bit index s with its parity bit
+    (an even count of minus signs: quants.KSIGNS_IQ2XS)."""
+    s8 = quants.KSIGNS_IQ2XS.astype(np.int64)  # [128]
+    bits = (s8[:, None] >> np.arange(8)) & 1
+    return (bits << (4 * np.arange(8) + 2)).sum(axis=1).astype(np.uint32)
+
+
+_TABLES = np.concatenate([_code_nibbles(), _sign_nibbles()])  # [384]: codes, then signs
+_POS = 8 | 25 << 8 | 43 << 16  # the magnitudes as bytes (prmt source a: selector 0-3)
+_NEG = (256 - 8) | (256 - 25) << 8 | (256 - 43) << 16  # negated (source b: selector 4-7)
+
+
+
+@cuda.jit(device=True)
+def _signs_by_multiplies(s7):
+    """The sign nibbles of _sign_nibbles()[s7] in registers: the parity bit, then the even and
+    the odd sign bits each spread to bit 2 of their nibble by one multiply (k -> 4k + 2; the
+    shifted copies that collide sit at even bits, so their carries reach only odd ones, which
+    the masks drop)."""
+    s8 = s7 | ((uint32(cuda.popc(s7)) & uint32(1)) << uint32(7))
+    even = ((s8 & uint32(0x55)) * uint32(0x104104)) & uint32(0x04040404)
+    odd = ((s8 & uint32(0xAA)) * uint32(0x820820)) & uint32(0x40404040)
+    return uint32(even | odd)
+
+
+@cuda.jit(device=True)
+def _scaled_dot(hi, lo, w):
+    """float(v · (2 ls + 1)), v = 256 hi + lo: a group's integer dot product times its odd
+    scale (ls: the top 4 bits of ``w``; bit 27 below them, a sign bit, is replaced by the 1)."""
+    v = int32(hi * int32(256) + lo)
+    return float32(int32(v * int32(uint32(w >> uint64(59)) | uint32(1))))
+
+
+def _group_math(reps: int, sign_alu: bool):
+    """(grid_row_codes, super_block) for ``reps`` copies of the tables in shared memory, the
+    signs from the sign table or (``sign_alu``) by _signs_by_multiplies."""
+    signs_at = 256 * reps  # where the sign table's copies start (uint32 words)
+
+    @cuda.jit(device=True)
+    def grid_row_codes(w, pick, shift, tab, lane_at):
+        # A grid row of the IQ2_XXS group word w (4 grid indices | sign / scale word << 32) as
+        # 8 int8 codes, magnitude · sign, in two uint32 (module doc: lookups and two permutes).
+        # The row is the lane's c: pick = 0x4440 + c (prmt: its index byte alone), shift = 7 c
+        # (its 7 sign bits); lane_at: the shared address of the lane's copy of the tables.
+        idx = _prmt(uint32(w & uint64(0xFFFFFFFF)), 0, pick)
+        s7 = _shf_r(uint32(w >> uint64(32)), 0, shift) & uint32(127)
+        if sign_alu:
+            sg = _signs_by_multiplies(s7)
+        else:
+            sg = _lds_u32(tab, lane_at + uint32(4 * signs_at) + s7 * uint32(4 * reps))
+        sel = _lds_u32(tab, lane_at + idx * uint32(4 * reps)) | sg
+        return _prmt(_POS, _NEG, sel), _prmt(_POS, _NEG, sel >> uint32(16))
+
+    @cuda.jit(device=True)
+    def group_dot(rows, r0, r8, k, xr, sr, pick, shift, tab, lane_at, xch, s0, s1):
+        # group k of the staged stage, rows g and g + 8 (words r0 + k, r8 + k of rows), against
+        # x (xr: the lane's x bytes from the stage's first group on, 4 words a group; sr: the
+        # groups' scales): s0, s1 += float(v · (2 ls + 1)) · s, v = 256 hi + lo (module doc)
+        w0 = rows[r0 + k]
+        w8 = rows[r8 + k]
+        bv = xr[4 * k]
+        a0, a2 = grid_row_codes(w0, pick, shift, tab, lane_at)
+        a1, a3 = grid_row_codes(w8, pick, shift, tab, lane_at)
+        c0, c1, c2, c3 = _mma_s8(a0, a1, a2, a3, uint32(bv & uint64(0xFFFFFFFF)),
+                                 uint32(bv >> uint64(32)), xch)
+        sx = sr[k]
+        return s0 + _scaled_dot(c0, c1, w0) * sx, s1 + _scaled_dot(c2, c3, w8) * sx
+
+    @cuda.jit(device=True)
+    def super_block(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch):
+        # the 8 groups k0 .. k0 + 7 of a super-block -> the sums of rows g, g + 8; written
+        # out, not a loop: LLVM leaves a loop of this size rolled, with 64-bit counters
+        s0 = float32(0)
+        s1 = float32(0)
+        s0, s1 = group_dot(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        s0, s1 = group_dot(rows, r0, r8, k0 + 1, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        s0, s1 = group_dot(rows, r0, r8, k0 + 2, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        s0, s1 = group_dot(rows, r0, r8, k0 + 3, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        s0, s1 = group_dot(rows, r0, r8, k0 + 4, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        s0, s1 = group_dot(rows, r0, r8, k0 + 5, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        s0, s1 = group_dot(rows, r0, r8, k0 + 6, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        s0, s1 = group_dot(rows, r0, r8, k0 + 7, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
+        return s0, s1
+    return grid_row_codes, super_block
+
+
+def _tiles_body(reps: int, sign_alu: bool):
+    """The GEMV kernel's function for ``reps`` table copies, the signs by table or multiplies."""
+    _, super_block = _group_math(reps, sign_alu)
+    table_words = (256 if sign_alu else 384) * reps  # the code (and sign) tables' copies
+    tables = _TABLES[:table_words // reps]
+
+    def gemv_iq2_xxs_imma_tiles(out, qs, d, xq, xs, ids, nw):
+        # grid (row blocks, T): block (a, b) loops over the row tiles a, a + gridDim.x, .. of
+        # token b (a persistent grid of the resident blocks); nw warps (blockDim = 32 nw) take
+        # the 512-column stages w, w + nw, .. of every row. xq, xs: prepare_x's flat planes.
+        t = cuda.threadIdx.x
+        N = out.shape[1]
+        G = qs.shape[2]  # groups a row
+        w, lane, g, c, b, e, bx = tile_thread(ids, xs, G)
+        per_warp = G // STAGE // nw
+        tiles_n = (N + ROWS - 1) // ROWS
+        tab = cuda.shared.array(table_words, uint32)
+        rows = cuda.shared.array(STAGED_WORDS, uint64)  # [warp, row, STAGE_LD]
+        red = cuda.shared.array((WARPS, ROWS), float32)
+        xch = cuda.shared.array(XCH, uint64)
+        consts = cuda.const.array_like(tables)
+        for i in range(t, table_words, cuda.blockDim.x):
+            tab[i] = consts[i // reps]
+        lane_at = _shared_at(tab) + uint32(4 * (lane % reps))  # the lane's copy of the tables
+        pick = uint32(0x4440 + c)
+        shift = uint32(7 * c)
+        # this lane's share of a stage: rows lr, lr + 4, + 8, + 12 of the tile, 16 bytes at
+        # byte 16 lc of each row's 128; the rows it reads back: g and g + 8
+        lr, lc = lane >> 3, lane & 7
+        r0 = uint32((w * ROWS + g) * STAGE_LD)
+        r8 = r0 + uint32(8 * STAGE_LD)
+        pre = cuda.local.array(8, uint64)
+        dpre = cuda.local.array(4, float32)  # d of rows g, g + 8 for the stage's super-blocks
+        tn = cuda.blockIdx.x
+        if tn < tiles_n:
+            _load_stage(pre, dpre, qs, d, e, tn * ROWS, w, N, lr, lc, g)
+        cuda.syncthreads()  # the tables
+        while tn < tiles_n:
+            acc0 = float32(0)
+            acc1 = float32(0)
+            for j in range(per_warp):
+                stage = w + j * nw
+                _syncwarp()  # the warp's rows are free (the last stage's reads are done)
+                for i in range(4):
+                    at = uint32((w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
+                    rows[at] = pre[2 * i]
+                    rows[at + uint32(1)] = pre[2 * i + 1]
+                d0, d8, d0b, d8b = dpre[0], dpre[1], dpre[2], dpre[3]
+                _syncwarp()
+                # the next stage's bytes in flight during this one's math (or the next tile's)
+                if j + 1 < per_warp:
+                    _load_stage(pre, dpre, qs, d, e, tn * ROWS, stage + nw, N, lr, lc, g)
+                elif tn + cuda.gridDim.x < tiles_n:
+                    _load_stage(pre, dpre, qs, d, e, (tn + cuda.gridDim.x) * ROWS, w, N, lr,
+                                lc, g)
+                col0 = uint32(stage * STAGE)  # the stage's first group
+                xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
+                sr = xs[uint32(bx * G) + col0:]
+                s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch)
+                acc0 += s0 * d0
+                acc1 += s1 * d8
+                s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch)
+                acc0 += s0 * d0b
+                acc1 += s1 * d8b
+            _tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125))
+            tn += cuda.gridDim.x
+    return gemv_iq2_xxs_imma_tiles
+
+
+@cuda.jit(device=True)
+def _load_stage(pre, dpre, qs, d, e, n0, stage, N, lr, lc, g):
+    """Request a stage of expert e's rows n0 ..: this lane's 4 x 16 bytes of the rows' group
+    words (rows n0 + lr + 4 i), and d of rows n0 + g, n0 + g + 8 for the stage's two
+    super-blocks (rows past N: the last)."""
+    for i in range(4):
+        pre[2 * i], pre[2 * i + 1] = _ld_u64x2(qs, e, min(n0 + lr + 4 * i, N - 1),
+                                               stage * STAGE + 2 * lc)
+    dpre[0] = float32(d[e, min(n0 + g, N - 1), 2 * stage])
+    dpre[1] = float32(d[e, min(n0 + g + 8, N - 1), 2 * stage])
+    dpre[2] = float32(d[e, min(n0 + g, N - 1), 2 * stage + 1])
+    dpre[3] = float32(d[e, min(n0 + g + 8, N - 1), 2 * stage + 1])
+
+
+def x_imma_groups(xq, xs, x):
+    # grid (K / 8 / threads, T): thread i makes columns 8i .. 8i+7 of x[b], one uint64 of each
+    # byte plane; the 4 threads of a 32-column group share its scale (xor butterflies: every
+    # thread takes part, those past K / 8 on a copy of columns 0-7, storing nothing).
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    b = cuda.blockIdx.y
+    K = x.shape[1]
+    xch = cuda.shared.array(SHF, float32)
+    c0 = 8 * i if i < K // 8 else 0
+    v = cuda.local.array(8, float32)
+    a = float32(0)
+    for k in range(8):
+        v[k] = x[b, c0 + k]
+        a = max(a, abs(v[k]))
+    a = max(a, xor_shfl(a, 1, xch))
+    a = max(a, xor_shfl(a, 2, xch))
+    hw, lw, _ = hi_lo_bytes(v, float32(32000) / a if a > 0 else float32(0))
+    if i < K // 8:
+        xq[(2 * b) * (K // 8) + i] = hw
+        xq[(2 * b + 1) * (K // 8) + i] = lw
+        if i % 4 == 0:
+            xs[b * (K // 32) + i // 4] = a / float32(32000)
+
+
+def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, max_registers=None):
+    """The GEMV kernel: ``reps`` copies of the tables, the signs by table or multiplies, the
+    registers capped at ``max_registers`` (more blocks an SM) or as ptxas sees fit (None)."""
+    opts = {} if max_registers is None else {"max_registers": max_registers}
+    k = kernel(_tiles_body(reps, sign_alu), **opts)
+    k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_tiles" + "".join(
+        f"_{v}" for v, on in ((f"reps{reps}", reps != REPS), ("alu_signs", sign_alu),
+                              (f"r{max_registers}", max_registers)) if on)
+    return k
+
+
+_gemv_iq2_xxs_imma_tiles = _tiles_kernel()
+# candidates, timed by bench_cases: more table copies (fewer bank conflicts), the signs by
+# multiplies (no sign table: fewer lookups, more integer instructions)
+CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
+              "reps16_alu_signs": _tiles_kernel(16, sign_alu=True)}
+_x_imma_groups = kernel(x_imma_groups)
+_x_imma_groups.__name__ = "_x_imma_groups"
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+def takes_imma(w: QWeight) -> bool:
+    """Whether ``w`` runs this kernel: IQ2_XXS, rows of whole 512-column stages."""
+    return w.qtype == GGMLType.IQ2_XXS and w.cols % (GROUP * STAGE) == 0
+
+
+def prepare_x(x, stream=0):
+    """x float32 [T, K] -> (xq uint64 [T * 2 * K/8]: per row the hi then the lo byte plane, xs
+    float32 [T * K/32]: the groups' scales; flat, as the GEMV indexes them) in buffers of
+    ``stream``'s own, in one small launch: the first half of the GEMV, so that it can run on a
+    branch beside other work (the router)."""
+    T, K = x.shape
+    xq = stream_buffer("imma x bytes", stream, (T * 2 * K // 8,), np.uint64)
+    xs = stream_buffer("imma x scales", stream, (T * K // GROUP,), np.float32)
+    _x_imma_groups[(cdiv(K // 8, PREP_THREADS), T), PREP_THREADS, stream](xq, xs, x)
+    return xq, xs
+
+
+def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> None:
+    """out[T, N] = W · x[t] (or W[ids[t]] · x[t]) on x from ``prepare_x`` (one x row may serve
+    every id); ``takes_imma(w)`` must hold. ``build``: a key of CANDIDATES (A/B)."""
+    from .gemv_lowbit import _no_ids
+
+    T, N = out.shape
+    xq, xs = prepared
+    assert takes_imma(w) and w.rows == N and xs.size % (w.cols // GROUP) == 0, (w, out.shape)
+    stages = w.cols // (GROUP * STAGE)
+    nw = next(n for n in (WARPS, 2, 1) if stages % n == 0)
+    qs, d = w.planes
+    args = (out, qs, d, xq, xs, _no_ids() if ids is None else ids, nw)
+    k = _gemv_iq2_xxs_imma_tiles if build is None else CANDIDATES[build]
+    resident = resident_blocks(k, args, 32 * nw, simulated=2 * T)
+    grid = (min(cdiv(N, ROWS), max(1, resident // T)), T)
+    k[grid, 32 * nw, stream](*args)
+
+
+def gemv_iq2_xxs_imma(out, w: QWeight, x, ids=None, stream=0) -> None:
+    """out[T, N] float32 = W · x[t], or W[ids[t]] · x[t] (x [T, K], or [1, K] for every id): the
+    signature of gemv_lowbit.gemv_iq2_xxs_ref, on the tensor cores."""
+    gemv_prepared(out, w, prepare_x(x, stream), ids, stream)
+
+
+# ---- compile check and benchmarks ------------------------------------------------------------
+_TILES_SIG = ("void(float32[:, ::1], uint64[:, :, ::1], float16[:, :, ::1], uint64[::1], "
+              "float32[::1], int32[::1], int64)")
+PTX_SIGNATURES = [(k, _TILES_SIG) for k in (_gemv_iq2_xxs_imma_tiles, *CANDIDATES.values())]
+PTX_SIGNATURES.append((_x_imma_groups, "void(uint64[::1], float32[::1], float32[:, ::1])"))
+
+
+def bench_cases(stream) -> list[BenchCase]:
+    """The routed experts' fused gate+up at decode, as the engine runs it: 6 of 256 experts of
+    [4096 x 4096] IQ2_XXS (gate | up of V4-Flash, spec §1.1), one x row for all, this kernel
+    (and its candidate builds) and gemv_lowbit's dp4a kernel on the same weights, each after
+    its own x preparation, as in the step."""
+    from . import gemv_lowbit as gl
+
+    N, K = 4096, 4096
+    host, dev, id_sets, out = routed_setup(GGMLType.IQ2_XXS, N, K, stream)
+    k = out.shape[0]
+    x = cuda.to_device(np.random.default_rng(1).standard_normal((1, K)).astype(np.float32),
+                       stream=stream)
+
+    def imma(ids, build=None):
+        return lambda: gemv_prepared(out, dev, prepare_x(x, stream), ids, stream, build)
+
+    def dp4a(ids):
+        return lambda: gl.gemv_prepared(out, dev, gl.prepare_x(dev, x, stream), ids, stream)
+
+    def ref():
+        r = np.empty((k, N), np.float64)
+        gl.gemv_iq2_xxs_ref(r, host, np.repeat(x.copy_to_host(), k, axis=0),
+                            id_sets[0].copy_to_host())
+        return r
+    makers = [("_gemv_iq2_xxs_imma_tiles", imma), ("_gemv_iq2_xxs_dp4a_slots", dp4a)]
+    makers += [(kern.__name__, lambda ids, b=b: imma(ids, b)) for b, kern in CANDIDATES.items()]
+    return graph_cases("imma_iq2_xxs", f"+ x prep, {k} of 256 x {N}x{K} (gate+up)", makers,
+                       id_sets, out, ref, stream, k * dev.nbytes // 256 + 4 * (K + k * N),
+                       2 * k * N * K)
