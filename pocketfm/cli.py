@@ -338,7 +338,7 @@ def inspect(path, all_keys):
                    "indexer's scores a warp per 16 heads; the top-k counting its first digit; "
                    "out_a's limbs as their own launch) or try a candidate (the q_a norm folded "
                    "on every layer; the indexer query's Hadamard a warp a vector; the routed "
-                   "gate+up on the int8 tensor cores), each step "
+                   "gate+up, and then also the down, on the int8 tensor cores), each step "
                    "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "

@@ -176,8 +176,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        imma_gate_up, imma_down) set while inside, as they were after it; the step is captured anew under
-        each (an A/B of the step; an unknown name raises AttributeError)."""
+        imma_gate_up, imma_down) set while inside, as they were after it; the step is captured
+        anew under each (an A/B of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():

@@ -474,8 +474,9 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     or a name of imma_iq2_xxs.CANDIDATES): the fused routed gate/up on imma_iq2_xxs.py's int8
     kernel where it takes the weight (IQ2_XXS), instead of the dp4a one (its x preparation on
     ``side_x`` alike); ``imma_down``: the routed down on imma_q2_k's kernel where it takes the
-    weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable. Which launches depends on the weight types (module
-    docstring); the fusions change no bit of the result.
+    weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable.
+    Which launches depends on the weight types (module docstring); the fusions change no bit
+    of the result.
     """
     sc, F = scratch, scratch.F
     fused, has_shared = up_exps is None, shared_gate is not None
@@ -517,8 +518,8 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
         else:
             gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, threads)
     elif on_imma:
-        imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, imma_iq2_xxs.prepare_x(x, stream), sc.ids_k, stream,
-                           build)
+        imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, imma_iq2_xxs.prepare_x(x, stream),
+                                   sc.ids_k, stream, build)
     elif fused:
         gemv(R["gate_up"], gate_exps, x_ids, sc.ids_k, stream, threads)
     else:

@@ -1,4 +1,5 @@
-"""The IQ2_XXS decode GEMV on the int8 tensor cores (imma_iq2_xxs.py) against gemv_lowbit's reference.
+"""The IQ2_XXS decode GEMV on the int8 tensor cores (imma_iq2_xxs.py) against gemv_lowbit's
+reference.
 
 The kernel rounds x to int16 per 32-column group (|q| <= 32000 of the group's max): each x
 element is off by at most max|x| / 64000, so an output may be off by that times Σ|w| of its

@@ -300,10 +300,10 @@ def test_moe_layer_lowbit_without_shared_expert_fusions_change_no_bit(monkeypatc
 
 
 def test_moe_layer_routed_gate_up_on_imma(monkeypatch):
-    """The fused IQ2_XXS gate/up on imma_iq2_xxs.py's int8 tensor-core kernel (D = 512: whole 512-column
-    stages), with its x prepared beside the router (side_x) and in line, then also the Q2_K
-    down on imma_q2_k's: the reference's output (their own x roundings; test_imma_iq2_xxs.py and
-    test_imma_q2_k.py check the kernels' bounds)."""
+    """The fused IQ2_XXS gate/up on imma_iq2_xxs.py's int8 tensor-core kernel (D = 512: whole
+    512-column stages), its x prepared beside the router (side_x) and in line, then also the
+    Q2_K down on imma_q2_k's: the reference's output (their own x roundings; the kernels'
+    bounds are checked in test_imma_iq2_xxs.py and test_imma_q2_k.py)."""
     ran = []
     real = moe.imma_iq2_xxs.gemv_prepared
 
