@@ -123,10 +123,12 @@ def gemv_q2_k_imma_tiles(out, qs, sc, dmp, xq, xs, xsum, ids, nw):
             u = c >> 1
             m0 = int32(0)
             m8 = int32(0)
+            sm0 = sw[1] if mine else sw[0]  # (a select: an index by lane would go to memory)
+            sm8 = sw[3] if mine else sw[2]
             for k in range(4):
                 qsum = xsum[uint32(bx * 16 * S + 16 * sb + 4 * (2 * mine + u) + k)]
-                m0 += int32((sw[mine] >> uint32(8 * k + 4)) & uint32(15)) * qsum
-                m8 += int32((sw[2 + mine] >> uint32(8 * k + 4)) & uint32(15)) * qsum
+                m0 += int32((sm0 >> uint32(8 * k + 4)) & uint32(15)) * qsum
+                m8 += int32((sm8 >> uint32(8 * k + 4)) & uint32(15)) * qsum
             s = xs[uint32(bx * S + sb)]
             first = float32(1) if c == 0 else float32(0)  # C is the same on the quad's lanes
             acc0 += s * (first * dm[0] * float32(int32(c0 * int32(256) + c1))
