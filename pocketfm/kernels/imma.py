@@ -163,7 +163,7 @@ else:
     _shf_r = _asm_intrinsic("shf.r.clamp.b32 $0, $1, $2, $3;", types.uint32)
 
 
-
+# ---- shared by the kernels -----------------------------------------------------------------------
 @cuda.jit(device=True)
 def tile_thread(ids, xs, blocks_a_row):
     """Who the calling thread of a tile kernel is: (warp w, lane, g, c, token b = blockIdx.y,
@@ -178,7 +178,7 @@ def tile_thread(ids, xs, blocks_a_row):
 
 
 @cuda.jit(device=True)
-def _tile_out(out, red, acc0, acc1, b, n0, nw, scale):
+def tile_out(out, red, acc0, acc1, b, n0, nw, scale):
     """out[b, n0 + r] = scale · the sum over the nw warps of lane (g = r % 8, c = 0)'s acc0
     (rows r < 8) or acc1 (rows r >= 8), through ``red`` [WARPS, ROWS]; every thread calls."""
     t = cuda.threadIdx.x

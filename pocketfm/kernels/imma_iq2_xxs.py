@@ -39,8 +39,7 @@ from ..quants import GGMLType
 from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, resident_blocks, stream_buffer, xor_shfl
 from .imma import (ROWS, WARPS, XCH, _lds_u32, _mma_s8, _shared_at, _shf_r, _syncwarp,
-                   _tile_out, graph_cases, hi_lo_bytes, routed_setup,
-                   tile_thread)
+                   graph_cases, hi_lo_bytes, routed_setup, tile_out, tile_thread)
 from .lowbit_layout import _ld_u64x2, _prmt
 from .qweight import QWeight
 
@@ -213,7 +212,7 @@ def _tiles_body(reps: int, sign_alu: bool):
                 s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch)
                 acc0 += s0 * d0b
                 acc1 += s1 * d8b
-            _tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125))
+            tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125))
             tn += cuda.gridDim.x
     return gemv_iq2_xxs_imma_tiles
 

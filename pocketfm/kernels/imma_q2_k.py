@@ -35,8 +35,8 @@ from ..quants import GGMLType
 from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, resident_blocks, stream_buffer, xor_shfl
 from .gemv_lowbit import swiglu_scalar
-from .imma import (ROWS, WARPS, XCH, _mma_s8_acc, _tile_out, graph_cases, hi_lo_bytes,
-                   routed_setup, tile_thread)
+from .imma import (ROWS, WARPS, XCH, _mma_s8_acc, graph_cases, hi_lo_bytes, routed_setup,
+                   tile_out, tile_thread)
 from .qweight import QWeight
 
 SUPER = 256  # columns a super-block (a scale of x; the MMA's C runs through it)
@@ -127,8 +127,8 @@ def gemv_q2_k_imma_tiles(out, qs, sc, dmp, xq, xs, xsum, ids, nw):
             sm8 = sw[3] if mine else sw[2]
             for k in range(4):
                 qsum = xsum[uint32(bx * 16 * S + 16 * sb + 4 * (2 * mine + u) + k)]
-                m0 += int32((sm0 >> uint32(8 * k + 4)) & uint32(15)) * qsum
-                m8 += int32((sm8 >> uint32(8 * k + 4)) & uint32(15)) * qsum
+                m0 = int32(m0 + int32((sm0 >> uint32(8 * k + 4)) & uint32(15)) * qsum)
+                m8 = int32(m8 + int32((sm8 >> uint32(8 * k + 4)) & uint32(15)) * qsum)
             s = xs[uint32(bx * S + sb)]
             first = float32(1) if c == 0 else float32(0)  # C is the same on the quad's lanes
             acc0 += s * (first * dm[0] * float32(int32(c0 * int32(256) + c1))
@@ -140,7 +140,7 @@ def gemv_q2_k_imma_tiles(out, qs, sc, dmp, xq, xs, xsum, ids, nw):
         acc0 += xor_shfl(acc0, 2, shf)
         acc1 += xor_shfl(acc1, 1, shf)
         acc1 += xor_shfl(acc1, 2, shf)
-        _tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(1))
+        tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(1))
         tn += cuda.gridDim.x
 
 
