@@ -20,7 +20,9 @@ Codes: a grid row's 8 magnitudes are 8, 25 or 43, and a lane makes its 8 int8 co
 selector nibble of byte k is its magnitude's index (``_code_nibbles``, by grid index) plus 4 if
 negative (``_sign_nibbles``, by the 7 sign bits, the parity bit included; or, a candidate, by
 two multiplies). The tables sit in shared memory, REPS copies so that a warp's lookups spread
-over the banks (measured: still ~3 of 32 random lookups a bank, (k)).
+over the banks (measured: still ~3 of 32 random lookups a bank, (k)). The quad's four lanes
+hold the same C (B's column pairs repeat x's two byte planes), so a candidate build scales
+each group on one lane of the quad only and adds the quad's sums at the end.
 
 Block: WARPS warps on one tile of 16 rows, splitting K: warp w takes the 512-column stages
 w, w + WARPS, ... Each stage's 16 rows x 128 bytes are loaded coalesced (a lane 4 x 16 bytes,
@@ -50,6 +52,7 @@ STAGED_WORDS = WARPS * ROWS * STAGE_LD  # the warps' staged rows in shared memor
 REPS = 8  # copies of each table in shared memory (lane l reads copy l % REPS)
 PREP_THREADS = 128  # x preparation: threads a block (a thread makes 8 columns)
 SHF = PREP_THREADS if SIMULATOR else 1  # simulator lane exchange (x preparation)
+SHF_TILE = 32 * WARPS if SIMULATOR else 1  # ... and the GEMV's (its quad sums)
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -88,16 +91,17 @@ def _signs_by_multiplies(s7):
 
 
 @cuda.jit(device=True)
-def _scaled_dot(hi, lo, w):
-    """float(v · (2 ls + 1)), v = 256 hi + lo: a group's integer dot product times its odd
-    scale (ls: the top 4 bits of ``w``; bit 27 below them, a sign bit, is replaced by the 1)."""
-    v = int32(hi * int32(256) + lo)
+def _odd_scaled(v, w):
+    """float(v · (2 ls + 1)): a group's integer dot product v times its odd scale (ls: the top
+    4 bits of the group word ``w``; bit 27 below them, a sign bit, is replaced by the 1)."""
     return float32(int32(v * int32(uint32(w >> uint64(59)) | uint32(1))))
 
 
-def _group_math(reps: int, sign_alu: bool):
+def _group_math(reps: int, sign_alu: bool, quad: bool = False):
     """(grid_row_codes, super_block) for ``reps`` copies of the tables in shared memory, the
-    signs from the sign table or (``sign_alu``) by _signs_by_multiplies."""
+    signs from the sign table or (``sign_alu``) by _signs_by_multiplies; with ``quad`` each
+    lane scales one group in four (its sums are a quarter of the row's: the caller adds the
+    quad's)."""
     signs_at = 256 * reps  # where the sign table's copies start (uint32 words)
 
     @cuda.jit(device=True)
@@ -116,10 +120,9 @@ def _group_math(reps: int, sign_alu: bool):
         return _prmt(_POS, _NEG, sel), _prmt(_POS, _NEG, sel >> uint32(16))
 
     @cuda.jit(device=True)
-    def group_dot(rows, r0, r8, k, xr, sr, pick, shift, tab, lane_at, xch, s0, s1):
-        # group k of the staged stage, rows g and g + 8 (words r0 + k, r8 + k of rows), against
-        # x (xr: the lane's x bytes from the stage's first group on, 4 words a group; sr: the
-        # groups' scales): s0, s1 += float(v · (2 ls + 1)) · s, v = 256 hi + lo (module doc)
+    def group_v(rows, r0, r8, k, xr, pick, shift, tab, lane_at, xch):
+        # group k's integer dot products v = 256 hi + lo of rows g and g + 8 (words r0 + k,
+        # r8 + k of rows), and the two group words
         w0 = rows[r0 + k]
         w8 = rows[r8 + k]
         bv = xr[4 * k]
@@ -127,13 +130,41 @@ def _group_math(reps: int, sign_alu: bool):
         a1, a3 = grid_row_codes(w8, pick, shift, tab, lane_at)
         c0, c1, c2, c3 = _mma_s8(a0, a1, a2, a3, uint32(bv & uint64(0xFFFFFFFF)),
                                  uint32(bv >> uint64(32)), xch)
-        sx = sr[k]
-        return s0 + _scaled_dot(c0, c1, w0) * sx, s1 + _scaled_dot(c2, c3, w8) * sx
+        return int32(c0 * int32(256) + c1), int32(c2 * int32(256) + c3), w0, w8
 
     @cuda.jit(device=True)
-    def super_block(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch):
+    def group_dot(rows, r0, r8, k, xr, sr, pick, shift, tab, lane_at, xch, s0, s1):
+        # group k of the staged stage against x (xr: the lane's x bytes from the stage's first
+        # group on, 4 words a group; sr: the groups' scales): s0, s1 += float(v · (2 ls + 1))
+        # · s for rows g, g + 8 (module doc)
+        v0, v8, w0, w8 = group_v(rows, r0, r8, k, xr, pick, shift, tab, lane_at, xch)
+        sx = sr[k]
+        return s0 + _odd_scaled(v0, w0) * sx, s1 + _odd_scaled(v8, w8) * sx
+
+    @cuda.jit(device=True)
+    def quad_groups(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch, c):
+        # groups k0 .. k0 + 3, lane c scaling only group k0 + c's v (the quad's lanes hold the
+        # same v: B's column pairs repeat x's two byte planes): selects instead of 3 of the 4
+        # scalings (an integer multiply, a conversion, a multiply-add a row each)
+        v0, v8, w0, w8 = group_v(rows, r0, r8, k0, xr, pick, shift, tab, lane_at, xch)
+        for j in (1, 2, 3):
+            u0, u8, x0, x8 = group_v(rows, r0, r8, k0 + j, xr, pick, shift, tab, lane_at, xch)
+            v0 = u0 if c == j else v0
+            v8 = u8 if c == j else v8
+            w0 = x0 if c == j else w0
+            w8 = x8 if c == j else w8
+        sx = sr[k0 + c]
+        return _odd_scaled(v0, w0) * sx, _odd_scaled(v8, w8) * sx
+
+    @cuda.jit(device=True)
+    def super_block(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch, c):
         # the 8 groups k0 .. k0 + 7 of a super-block -> the sums of rows g, g + 8; written
         # out, not a loop: LLVM leaves a loop of this size rolled, with 64-bit counters
+        if quad:
+            s0, s1 = quad_groups(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch, c)
+            t0, t1 = quad_groups(rows, r0, r8, k0 + 4, xr, sr, pick, shift, tab, lane_at, xch,
+                                 c)
+            return s0 + t0, s1 + t1
         s0 = float32(0)
         s1 = float32(0)
         s0, s1 = group_dot(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
@@ -148,9 +179,10 @@ def _group_math(reps: int, sign_alu: bool):
     return grid_row_codes, super_block
 
 
-def _tiles_body(reps: int, sign_alu: bool):
-    """The GEMV kernel's function for ``reps`` table copies, the signs by table or multiplies."""
-    _, super_block = _group_math(reps, sign_alu)
+def _tiles_body(reps: int, sign_alu: bool, quad: bool):
+    """The GEMV kernel's function for ``reps`` table copies, the signs by table or multiplies,
+    each group scaled on every lane of a quad or (``quad``) on one."""
+    _, super_block = _group_math(reps, sign_alu, quad)
     table_words = (256 if sign_alu else 384) * reps  # the code (and sign) tables' copies
     tables = _TABLES[:table_words // reps]
 
@@ -168,6 +200,7 @@ def _tiles_body(reps: int, sign_alu: bool):
         rows = cuda.shared.array(STAGED_WORDS, uint64)  # [warp, row, STAGE_LD]
         red = cuda.shared.array((WARPS, ROWS), float32)
         xch = cuda.shared.array(XCH, uint64)
+        shf = cuda.shared.array(SHF_TILE, float32)
         consts = cuda.const.array_like(tables)
         for i in range(t, table_words, cuda.blockDim.x):
             tab[i] = consts[i // reps]
@@ -206,12 +239,19 @@ def _tiles_body(reps: int, sign_alu: bool):
                 col0 = uint32(stage * STAGE)  # the stage's first group
                 xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
                 sr = xs[uint32(bx * G) + col0:]
-                s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch)
+                s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch,
+                                     c)
                 acc0 += s0 * d0
                 acc1 += s1 * d8
-                s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch)
+                s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch,
+                                     c)
                 acc0 += s0 * d0b
                 acc1 += s1 * d8b
+            if quad:  # the quad's lanes each scaled a quarter of the groups
+                acc0 += xor_shfl(acc0, 1, shf)
+                acc0 += xor_shfl(acc0, 2, shf)
+                acc1 += xor_shfl(acc1, 1, shf)
+                acc1 += xor_shfl(acc1, 2, shf)
             tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125))
             tn += cuda.gridDim.x
     return gemv_iq2_xxs_imma_tiles
@@ -255,22 +295,27 @@ def x_imma_groups(xq, xs, x):
             xs[b * (K // 32) + i // 4] = a / float32(32000)
 
 
-def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, max_registers=None):
-    """The GEMV kernel: ``reps`` copies of the tables, the signs by table or multiplies, the
-    registers capped at ``max_registers`` (more blocks an SM) or as ptxas sees fit (None)."""
+def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
+                  max_registers=None):
+    """The GEMV kernel: ``reps`` copies of the tables, the signs by table or multiplies, each
+    group scaled on one lane of a quad (``quad``) or all four, the registers capped at
+    ``max_registers`` (more blocks an SM) or as ptxas sees fit (None)."""
     opts = {} if max_registers is None else {"max_registers": max_registers}
-    k = kernel(_tiles_body(reps, sign_alu), **opts)
+    k = kernel(_tiles_body(reps, sign_alu, quad), **opts)
     k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_tiles" + "".join(
         f"_{v}" for v, on in ((f"reps{reps}", reps != REPS), ("alu_signs", sign_alu),
-                              (f"r{max_registers}", max_registers)) if on)
+                              ("quad", quad), (f"r{max_registers}", max_registers)) if on)
     return k
 
 
 _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 # candidates, timed by bench_cases: more table copies (fewer bank conflicts), the signs by
-# multiplies (no sign table: fewer lookups, more integer instructions)
+# multiplies (no sign table: fewer lookups, more integer instructions), a group scaled on one
+# lane of its quad (~4 instructions fewer a group; the sums in another order)
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
-              "reps16_alu_signs": _tiles_kernel(16, sign_alu=True)}
+              "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
+              "quad": _tiles_kernel(quad=True, max_registers=128),
+              "reps16_quad": _tiles_kernel(16, quad=True, max_registers=128)}
 _x_imma_groups = kernel(x_imma_groups)
 _x_imma_groups.__name__ = "_x_imma_groups"
 

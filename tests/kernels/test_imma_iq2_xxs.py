@@ -101,7 +101,8 @@ def test_takes_only_whole_stages_of_iq2_xxs():
 
 
 def test_candidate_builds_give_the_same_bits():
-    """More table copies and the signs by multiplies make the same codes: the same outputs."""
+    """More table copies and the signs by multiplies make the same codes: the same outputs; a
+    group scaled on one lane of its quad sums the same terms in another order."""
     w, x, ids, _, _ = _case(3, 16, 512, 2, True, False)
     dw, dx, di = w.to_device(), cuda.to_device(x), cuda.to_device(ids)
     base = poisoned((2, 16))
@@ -109,4 +110,8 @@ def test_candidate_builds_give_the_same_bits():
     for build in imma.CANDIDATES:
         out = poisoned((2, 16))
         imma.gemv_prepared(out, dw, imma.prepare_x(dx), di, build=build)
-        assert np.array_equal(out.copy_to_host(), base.copy_to_host()), build
+        if "quad" in build:
+            np.testing.assert_allclose(out.copy_to_host(), base.copy_to_host(), rtol=1e-5,
+                                       atol=1e-6 * np.abs(base.copy_to_host()).max())
+        else:
+            assert np.array_equal(out.copy_to_host(), base.copy_to_host()), build
