@@ -245,10 +245,9 @@ def _decode_variants() -> dict:
     top-k's first digit counted by it; out_a's limbs made by the attention's combine) or try a
     candidate (the q_a norm folded on every layer: slower, the CSA layers' indexer path gets
     longer; the indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the
-    routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV, and with it the
-    routed Q2_K down on imma_q2_k.py's). HC pre's
-    mix and u in one launch (the last block to finish making u) was a candidate too, 8.30
-    against 7.94 ms, and was dropped."""
+    routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV, and with it
+    the routed Q2_K down on imma_q2_k.py's). HC pre's mix and u in one launch (the last block
+    to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),

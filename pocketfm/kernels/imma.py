@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from .device import SIMULATOR
+from .device import SIMULATOR, xor_shfl
 from .lowbit_layout import _f32_bits
 
 ROWS = 16  # rows a tile (the MMA's M)
@@ -175,6 +175,18 @@ def tile_thread(ids, xs, blocks_a_row):
     e = ids[b] if b < ids.shape[0] else 0
     bx = min(b, xs.shape[0] // blocks_a_row - 1)
     return t >> 5, lane, lane >> 2, lane & 3, b, e, bx
+
+
+@cuda.jit(device=True)
+def quad_sums(acc0, acc1, shf):
+    """acc0, acc1 summed over the lane's quad (xor butterflies; ``shf``: the simulator's float32
+    exchange of blockDim, unused on the GPU): where the quad's lanes each hold part of a row's
+    sum. Every thread calls."""
+    acc0 += xor_shfl(acc0, 1, shf)
+    acc0 += xor_shfl(acc0, 2, shf)
+    acc1 += xor_shfl(acc1, 1, shf)
+    acc1 += xor_shfl(acc1, 2, shf)
+    return acc0, acc1
 
 
 @cuda.jit(device=True)

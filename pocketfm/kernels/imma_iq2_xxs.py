@@ -41,7 +41,8 @@ from ..quants import GGMLType
 from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, resident_blocks, stream_buffer, xor_shfl
 from .imma import (ROWS, WARPS, XCH, _lds_u32, _mma_s8, _shared_at, _shf_r, _syncwarp,
-                   graph_cases, hi_lo_bytes, routed_setup, tile_out, tile_thread)
+                   graph_cases, hi_lo_bytes, quad_sums, routed_setup, tile_out,
+                   tile_thread)
 from .lowbit_layout import _ld_u64x2, _prmt
 from .qweight import QWeight
 
@@ -248,10 +249,7 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
                 acc0 += s0 * d0b
                 acc1 += s1 * d8b
             if quad:  # the quad's lanes each scaled a quarter of the groups
-                acc0 += xor_shfl(acc0, 1, shf)
-                acc0 += xor_shfl(acc0, 2, shf)
-                acc1 += xor_shfl(acc1, 1, shf)
-                acc1 += xor_shfl(acc1, 2, shf)
+                acc0, acc1 = quad_sums(acc0, acc1, shf)
             tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125))
             tn += cuda.gridDim.x
     return gemv_iq2_xxs_imma_tiles

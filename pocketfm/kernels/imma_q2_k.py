@@ -35,8 +35,8 @@ from ..quants import GGMLType
 from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, resident_blocks, stream_buffer, xor_shfl
 from .gemv_lowbit import swiglu_scalar
-from .imma import (ROWS, WARPS, XCH, _mma_s8_acc, graph_cases, hi_lo_bytes, routed_setup,
-                   tile_out, tile_thread)
+from .imma import (ROWS, WARPS, XCH, _mma_s8_acc, graph_cases, hi_lo_bytes, quad_sums,
+                   routed_setup, tile_out, tile_thread)
 from .qweight import QWeight
 
 SUPER = 256  # columns a super-block (a scale of x; the MMA's C runs through it)
@@ -136,10 +136,7 @@ def gemv_q2_k_imma_tiles(out, qs, sc, dmp, xq, xs, xsum, ids, nw):
             acc1 += s * (first * dm[2] * float32(int32(c2 * int32(256) + c3))
                          - dm[3] * float32(m8))
         # the quad's mins partials, then the warps' sums
-        acc0 += xor_shfl(acc0, 1, shf)
-        acc0 += xor_shfl(acc0, 2, shf)
-        acc1 += xor_shfl(acc1, 1, shf)
-        acc1 += xor_shfl(acc1, 2, shf)
+        acc0, acc1 = quad_sums(acc0, acc1, shf)
         tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(1))
         tn += cuda.gridDim.x
 
