@@ -190,3 +190,20 @@ def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only():
     for on in ("gate+up", "and down"):
         assert _rel(logits[on], logits["dp4a"]) <= 1e-3, on
     assert len({logits[k].tobytes() for k in logits}) == 3  # (each ran)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the dp4a GEMVs)")
+def test_the_q8_0_gemvs_through_shared_memory_change_no_logit(monkeypatch):
+    """The Q8_0 dp4a GEMVs with their weights through shared memory (gemv_pipelined.py) make the
+    same sums in the same order as the register kernel: the same logits, bit for bit; and the
+    step did take the new kernel."""
+    from pocketfm.kernels import gemv_pipelined as gp
+
+    calls = []
+    real = gp.gemv_q8_0_pipelined
+    monkeypatch.setattr(gp, "gemv_q8_0_pipelined",
+                        lambda *a, **k: (calls.append(a[1].cols), real(*a, **k)))
+    logits = _flash_4_layer_logits({"registers": dict(q8_0_cp_async=False),
+                                    "cp.async": dict(q8_0_cp_async=True)})
+    assert {1024, 4096} <= set(calls)  # q_b; out_a / the shared expert's gate+up
+    assert np.array_equal(logits["cp.async"], logits["registers"])

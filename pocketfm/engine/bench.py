@@ -247,7 +247,8 @@ def _decode_variants() -> dict:
     longer; the indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the
     routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV, and with it
     the routed Q2_K down on imma_q2_k.py's; the gate+up's build with a copy of the code table
-    a lane, its signs by multiplies). HC pre's mix and u in one launch (the last block
+    a lane, its signs by multiplies; the Q8_0 dp4a GEMVs' weights two steps ahead through
+    shared memory, gemv_pipelined.py). HC pre's mix and u in one launch (the last block
     to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
@@ -263,7 +264,9 @@ def _decode_variants() -> dict:
             "the routed gate+up and down on int8 tensor cores (imma)": dict(imma_gate_up=True,
                                                                             imma_down=True),
             "... with the gate+up's build of a table copy a lane": dict(
-                imma_gate_up="reps32_alu_signs", imma_down=True)}
+                imma_gate_up="reps32_alu_signs", imma_down=True),
+            "the Q8_0 dp4a GEMVs' weights through shared memory (cp.async)": dict(
+                q8_0_cp_async=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -176,6 +176,11 @@ if SIMULATOR:
     def _cp_async_wait0():
         """Wait until every one of the thread's committed groups has landed."""
         return
+
+    @cuda.jit(device=True)
+    def _cp_async_wait2():
+        """Wait until at most two of the thread's committed groups are still in flight."""
+        return
 else:
     from llvmlite import ir
     from numba import types
@@ -289,6 +294,7 @@ else:
     _commit_ptx = _asm_barrier("cp.async.commit_group;")
     _wait1_ptx = _asm_barrier("cp.async.wait_group 1;")
     _wait0_ptx = _asm_barrier("cp.async.wait_group 0;")
+    _wait2_ptx = _asm_barrier("cp.async.wait_group 2;")
 
     @cuda.jit(device=True)
     def _cp_async16(dst, i, src, j):
@@ -305,6 +311,10 @@ else:
     @cuda.jit(device=True)
     def _cp_async_wait0():
         _wait0_ptx()
+
+    @cuda.jit(device=True)
+    def _cp_async_wait2():
+        _wait2_ptx()
 
     @cuda.jit(device=True)
     def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, xch):
