@@ -264,7 +264,10 @@ def resident_blocks(kern, args, threads: int, smem: int = 0, simulated: int = 4)
     types = tuple(kern.typeof_pyval(a) for a in args)
     key = (kern, types, threads, smem)
     if key not in _RESIDENT:
-        _RESIDENT[key] = kern.compile(types).max_cooperative_grid_blocks(threads, smem)
+        compiled = kern.compile(types)
+        if smem > SHARED_DEFAULT:  # the occupancy of a size the kernel is not yet allowed: 0
+            _allow_shared(compiled, smem)
+        _RESIDENT[key] = compiled.max_cooperative_grid_blocks(threads, smem)
     return _RESIDENT[key]
 
 
@@ -279,18 +282,19 @@ def launch_shared(kern, grid, threads: int, stream, smem: int, *args) -> None:
     loaded kernel, from a pre-launch callback (numba compiles for the arguments first)."""
     config = kern[grid, threads, stream, smem]
     if smem > SHARED_DEFAULT and not SIMULATOR:
-        config.pre_launch_callbacks.append(_allow_shared)
+        config.pre_launch_callbacks.append(lambda k, c: _allow_shared(k, c.sharedmem))
     config(*args)
 
 
-def _allow_shared(kernel, config) -> None:
+def _allow_shared(kernel, smem: int) -> None:
+    """Let compiled ``kernel`` take ``smem`` bytes of dynamic shared memory."""
     from numba.cuda.cudadrv.driver import binding, driver
 
     fn = kernel._codelibrary.get_cufunc()
-    if _SHARED_ALLOWED.get(id(fn), 0) < config.sharedmem:
+    if _SHARED_ALLOWED.get(id(fn), 0) < smem:
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, config.sharedmem, fn.handle, fn.device.id)
-        _SHARED_ALLOWED[id(fn)] = config.sharedmem
+        driver.cuKernelSetAttribute(attr, smem, fn.handle, fn.device.id)
+        _SHARED_ALLOWED[id(fn)] = smem
 
 
 def gpu_available() -> bool:
