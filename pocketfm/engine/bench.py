@@ -242,14 +242,13 @@ def _decode_variants() -> dict:
     undo one change each (the side streams; HC pre's u block of 1,024 threads with the norm
     from registers; the dp4a GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's
     limbs off the CSA layers; the indexer's scores by one warp holding every head, and the
-    top-k's first digit counted by it; out_a's limbs made by the attention's combine) or try a
+    top-k's first digit counted by it; out_a's limbs made by the attention's combine; the
+    routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV) or try a
     candidate (the q_a norm folded on every layer: slower, the CSA layers' indexer path gets
     longer; the indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the
-    routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV, and with it
-    the routed Q2_K down on imma_q2_k.py's; the gate+up's build with a copy of the code table
-    a lane, its signs by multiplies; the Q8_0 dp4a GEMVs' weights two steps ahead through
-    shared memory, gemv_pipelined.py). HC pre's mix and u in one launch (the last block
-    to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped."""
+    routed Q2_K down on imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC
+    pre's mix and u in one launch (the last block to finish making u) was a candidate too,
+    8.30 against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
@@ -260,13 +259,8 @@ def _decode_variants() -> dict:
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
             "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
-            "the routed gate+up on int8 tensor cores (imma)": dict(imma_gate_up=True),
-            "the routed gate+up and down on int8 tensor cores (imma)": dict(imma_gate_up=True,
-                                                                            imma_down=True),
-            "... with the gate+up's build of a table copy a lane": dict(
-                imma_gate_up="reps32_alu_signs", imma_down=True),
-            "the Q8_0 dp4a GEMVs' weights through shared memory (cp.async)": dict(
-                q8_0_cp_async=True)}
+            "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
+            "the routed down on int8 tensor cores too (imma)": dict(imma_down=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:
@@ -537,9 +531,9 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     p0 = ctx + 1 + int(not device.SIMULATOR)  # the timed steps' first position
     step_ms = _timed(lambda: [eng.step() for _ in range(tokens)], stream) / tokens
     extra = {}
+    free1, _ = cuda.current_context().get_memory_info()  # (before the A/B's graphs and buffers)
     if decode_ab:
         extra["decode_ab"] = time_decode_variants(eng, p0, tokens)
-    free1, _ = cuda.current_context().get_memory_info()
     nb = bytes_per_token(eng, ctx)
     used = None if device.SIMULATOR else int(free0 - free1)  # (the simulator has no memory)
     if profile and not device.SIMULATOR:

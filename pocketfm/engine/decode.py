@@ -40,7 +40,7 @@ from ..kernels import device
 from ..kernels.attention import attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import (XLW, dp4a_kernel, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
+from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
                             simulator_prefers_rows, takes_limbs)
 from ..kernels.hc import hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
@@ -162,18 +162,14 @@ class DecodeEngine:
         # prefill's kernel) instead of a block a vector (None: the launcher's pick, the block):
         # 7.816 / 7.675 against 7.814 / 7.678 ms, nil
         self.hadamard_warp = None
-        # candidate: the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
+        # the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
         # (kernels/imma_iq2_xxs.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
-        # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j)); True, or
-        # the name of one of imma_iq2_xxs.CANDIDATES' builds; and the routed Q2_K down likewise
-        # (kernels/imma_q2_k.py: the sub-block scales in the codes, C through a super-block)
-        self.imma_gate_up = False
+        # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j)): 10.257
+        # against 10.366 ms a step, H200, 43 layers (2026-12-06 (l)); False: the dp4a GEMV, or
+        # the name of one of imma_iq2_xxs.CANDIDATES' builds. The routed Q2_K down likewise
+        # (kernels/imma_q2_k.py), a candidate: 10.343 with both against 10.257
+        self.imma_gate_up = True
         self.imma_down = False
-        # candidate: the Q8_0 dp4a GEMVs (q_b, out_a / out_b, the shared expert's gate+up) with
-        # their weights through shared memory by cp.async, two steps in flight instead of one in
-        # registers (kernels/gemv_pipelined.py: a ~36 MB weight is ~4 steps a block, ~4 memory
-        # latencies end to end)
-        self.q8_0_cp_async = False
         if device.SIMULATOR:
             simulator_prefers_rows()
 
@@ -181,9 +177,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        imma_gate_up, imma_down, q8_0_cp_async) set while inside, as they were after it; the
-        step is captured anew under each (an A/B of the step; an unknown name raises
-        AttributeError)."""
+        imma_gate_up, imma_down) set while inside, as they were after it; the step is captured
+        anew under each (an A/B of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -246,8 +241,7 @@ class DecodeEngine:
     # ---- one step -------------------------------------------------------------------------------
     def launch_step(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
         """Launch one decode step on the engine's stream (no host sync)."""
-        with limbs_kernel("words" if self.limbs_by_words else "serial"), \
-                dp4a_kernel("cp.async" if self.q8_0_cp_async else "registers"):
+        with limbs_kernel("words" if self.limbs_by_words else "serial"):
             self._launch_step(temperature, top_p)
 
     def _launch_step(self, temperature: float, top_p: float) -> None:

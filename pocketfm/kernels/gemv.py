@@ -464,31 +464,17 @@ def _make_limbs(xl, x, stream) -> None:
 
 
 @contextlib.contextmanager
-def _chosen(key: str, name: str):
-    """_STATE[key] = name inside, as it was after."""
-    before = _STATE.get(key)
-    _STATE[key] = name
+def limbs_kernel(name: str):
+    """Which kernel makes x's limbs for the Q8_0 dp4a GEMVs launched inside: "words" (four
+    threads a chunk, the default) or "serial" (a thread a chunk): an A/B (the decode engine's
+    ``limbs_by_words``)."""
+    assert name in ("words", "serial")
+    before = _STATE.get("limbs")
+    _STATE["limbs"] = name
     try:
         yield
     finally:
-        _STATE[key] = before
-
-
-def limbs_kernel(name: str):
-    """Which kernel makes x's limbs for the Q8_0 dp4a GEMVs launched inside (a context manager):
-    "words" (four threads a chunk, the default) or "serial" (a thread a chunk): an A/B (the
-    decode engine's ``limbs_by_words``)."""
-    assert name in ("words", "serial")
-    return _chosen("limbs", name)
-
-
-def dp4a_kernel(name: str):
-    """Which kernel runs the Q8_0 dp4a GEMVs launched inside (a context manager): "registers"
-    (the next step's weights held in registers, the default) or "cp.async" (gemv_pipelined.py:
-    two steps in flight through shared memory, where its shapes allow): an A/B (the decode
-    engine's ``q8_0_cp_async``)."""
-    assert name in ("registers", "cp.async")
-    return _chosen("dp4a", name)
+        _STATE["limbs"] = before
 
 
 @kernel
@@ -872,11 +858,6 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
             method = "dp4a"
         if method == "dp4a":  # x -> int8 limbs once (unless made already), then the GEMV
             xl = limbs if limbs is not None else q8_0_limbs(x, stream)
-            if _STATE.get("dp4a") == "cp.async":
-                from . import gemv_pipelined as gp  # (it builds on this module)
-                if gp.takes_pipelined(K):
-                    gp.gemv_q8_0_pipelined(out, w, xl, ids, stream)
-                    return
             k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
         k[(min(groups, _wave(k, args, nt, rows)), rows), nt, stream](*args)
     else:

@@ -1,14 +1,19 @@
 """The Q8_0 dp4a decode GEMV with its weights streamed through shared memory by cp.async, STAGES
-steps deep: a candidate beside gemv.py's register-prefetched dp4a kernel (same signature, same
-work split, same sums).
+steps deep, beside gemv.py's register-prefetched dp4a kernel (same work split, same sums, the
+same bits). Measured and not used: on the H200 (2026-12-06, BENCHMARKS (l)) it is no faster
+with 2 stages and slower with 3 or 4 (attn_q_b 11.8 µs in registers against 14.1 / 19.4 /
+20.7; attn_output_b 13.6 against 13.8 / 14.9 / 15.4; the output head 141 against 138), and
+the decode step with it on the engine's Q8_0 GEMVs took 10.79 ms against 10.37. What the
+register kernel waits on at these sizes is not one step of loads in flight. Kept, with its
+bench family, so the finding can be re-measured on another GPU.
 
-Why: gemv.py's kernel holds the next step's weights in registers, one step ahead (128 bytes a
-lane: 64 KB an SM at 4 blocks of 128 threads or 2 of 256), and a ~36 MB weight (attn_q_b,
-attn_output_a / _b) is ~4 steps a block of its one-wave grid, so a launch is ~4 memory latencies
-end to end: 49-58% of the copy bandwidth (H200, 2026-12-02), against 94% for the output head
-(~120 steps a block). Here each lane copies its step's 8 x 16 bytes into shared memory with
-cp.async, STAGES - 1 steps ahead, holding no registers for them, so STAGES - 1 steps are in
-flight from the first instruction on.
+Why it was built: gemv.py's kernel holds the next step's weights in registers, one step
+ahead (128 bytes a lane: 64 KB an SM at 4 blocks of 128 threads or 2 of 256), and a ~36 MB
+weight (attn_q_b, attn_output_a / _b) is ~4 steps a block of its one-wave grid, so a launch
+looked like ~4 memory latencies end to end: 49-58% of the copy bandwidth (H200, 2026-12-02),
+against 94% for the output head (~120 steps a block). Here each lane copies its step's 8 x 16
+bytes into shared memory with cp.async, STAGES - 1 steps ahead, holding no registers for them,
+so STAGES - 1 steps are in flight from the first instruction on.
 
 - A lane reads back only the words it copied itself (its own cp.async groups: no barrier).
 - A step's block scales (a row's 32 float16 for the warp's 64 chunks) are copied by 16 lanes of
@@ -232,7 +237,8 @@ def bench_cases(stream, shapes=None) -> list:
         n_copies = 1 if SIMULATOR else max(1, cdiv(256 << 20, host.nbytes))
         copies = [host.to_device(stream) for _ in range(n_copies)]
         xh = rng.standard_normal((T, K)).astype(np.float32)
-        xl = gemv.q8_0_limbs(cuda.to_device(xh, stream=stream), stream, name="bench limbs")
+        xl = gemv.q8_0_limbs(cuda.to_device(xh, stream=stream), stream,
+                             name=f"bench limbs {name}")  # (a buffer a case: all checked last)
         out = cuda.device_array((T, N), np.float32, stream=stream)
 
         def check(host=host, xh=xh, out=out, N=N, T=T):
