@@ -307,17 +307,15 @@ def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
 
 
 _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
-# candidates, timed by bench_cases: more table copies (fewer bank conflicts; 32, a copy a lane,
-# none, in 32 KB: only without the sign table, static shared memory stops at 48 KB), the signs
-# by multiplies (no sign table: fewer lookups, more integer instructions), a group scaled on
-# one lane of its quad (~4 instructions fewer a group; the sums in another order)
+# candidates, timed by bench_cases: more table copies (fewer bank conflicts), the signs by
+# multiplies (no sign table: fewer lookups, more integer instructions), a group scaled on one
+# lane of its quad (~4 instructions fewer a group; the sums in another order). H200 (2026-12-06
+# (l)): 27.2-28.8 µs against the default's 28.1. A copy a lane (32: no conflicts, 42 KB with
+# the signs by multiplies) was slower, 30.9-32.6 µs, and was dropped.
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
               "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
               "quad": _tiles_kernel(quad=True, max_registers=128),
-              "reps16_quad": _tiles_kernel(16, quad=True, max_registers=128),
-              "reps32_alu_signs": _tiles_kernel(32, sign_alu=True),
-              "reps32_alu_signs_quad": _tiles_kernel(32, sign_alu=True, quad=True,
-                                                     max_registers=128)}
+              "reps16_quad": _tiles_kernel(16, quad=True, max_registers=128)}
 _x_imma_groups = kernel(x_imma_groups)
 _x_imma_groups.__name__ = "_x_imma_groups"
 
