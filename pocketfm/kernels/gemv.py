@@ -506,6 +506,21 @@ def _q8_0_x_limbs_norm(xl, xn, x, w, eps):
     _chunk_words(xl, 0, j // 4, j % 4, vals, scratch, ok)
 
 
+@cuda.jit(device=True, inline="always")
+def _limbs_dot(wv, q, xq, xq0, xs, xs0):
+    """The dot product of the 16 int8 codes in words wv[q .. q+3] with a chunk of x in its three
+    limbs (words xq[xq0 ..], 4 a limb; scales xs[xs0 ..]): a dp4a chain a limb from the _MAGIC
+    offset, the limbs added under their scales (inlined at Numba IR level: the kernels' local
+    arrays stay in registers)."""
+    d1, d2, d3 = _MAGIC, _MAGIC, _MAGIC
+    for m in range(4):
+        d1 = _dp4a(wv[q + m], xq[xq0 + m], d1)
+        d2 = _dp4a(wv[q + m], xq[xq0 + 4 + m], d2)
+        d3 = _dp4a(wv[q + m], xq[xq0 + 8 + m], d3)
+    return (xs[xs0] * (_bits_f32(d1) - _MAGIC_F) + xs[xs0 + 1] * (_bits_f32(d2) - _MAGIC_F)
+            + xs[xs0 + 2] * (_bits_f32(d3) - _MAGIC_F))
+
+
 @cuda.jit(device=True)
 def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, SCALED):
     """Issue the R x CPL 16-byte loads (and scales) of flat rows row0 .. row0 + R - 1, without
@@ -598,14 +613,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, **op
                     if INT8:
                         for b in range(B):
                             sl = b * CPL + j
-                            d1, d2, d3 = _MAGIC, _MAGIC, _MAGIC
-                            for m in range(4):
-                                d1 = _dp4a(wv[q + m], xq[sl * 12 + m], d1)
-                                d2 = _dp4a(wv[q + m], xq[sl * 12 + 4 + m], d2)
-                                d3 = _dp4a(wv[q + m], xq[sl * 12 + 8 + m], d3)
-                            dot = (xs[sl * 3] * (_bits_f32(d1) - _MAGIC_F)
-                                   + xs[sl * 3 + 1] * (_bits_f32(d2) - _MAGIC_F)
-                                   + xs[sl * 3 + 2] * (_bits_f32(d3) - _MAGIC_F))
+                            dot = _limbs_dot(wv, q, xq, sl * 12, xs, sl * 3)
                             acc[i * B + b] += sv[i * CPL + j] * dot
                     else:
                         for b in range(B):

@@ -31,8 +31,7 @@ import numpy as np
 from numba import cuda, uint32, uint64
 
 from .device import SIMULATOR, cdiv, kernel, launch_shared, resident_blocks, warp_sum
-from .gemv import (_MAGIC, _MAGIC_F, _LIMB, XLW, _bits_f16, _bits_f32, _dp4a, _dummies, _ld,
-                   _ld_x4)
+from .gemv import _LIMB, XLW, _bits_f16, _bits_f32, _dummies, _ld, _ld_x4, _limbs_dot
 from .imma import _syncwarp
 from .mma import _cp_async16, _cp_async_commit, _cp_async_wait0, _cp_async_wait1, \
     _cp_async_wait2
@@ -149,15 +148,7 @@ def _kernel(S: int):
             for i in range(R):
                 acc[i] = np.float32(0)
                 for j in range(CPL):
-                    q = (i * CPL + j) * 4
-                    d1, d2, d3 = _MAGIC, _MAGIC, _MAGIC
-                    for m in range(4):
-                        d1 = _dp4a(wv[q + m], xq[j * 12 + m], d1)
-                        d2 = _dp4a(wv[q + m], xq[j * 12 + 4 + m], d2)
-                        d3 = _dp4a(wv[q + m], xq[j * 12 + 8 + m], d3)
-                    dot = (xs[j * 3] * (_bits_f32(d1) - _MAGIC_F)
-                           + xs[j * 3 + 1] * (_bits_f32(d2) - _MAGIC_F)
-                           + xs[j * 3 + 2] * (_bits_f32(d3) - _MAGIC_F))
+                    dot = _limbs_dot(wv, (i * CPL + j) * 4, xq, j * 12, xs, j * 3)
                     acc[i] += sv[i * CPL + j] * dot
             for i in range(R):
                 v = warp_sum(acc[i], scratch)

@@ -299,30 +299,29 @@ def test_moe_layer_lowbit_without_shared_expert_fusions_change_no_bit(monkeypatc
     assert all(np.array_equal(a, b) for a, b in zip(fused, unfused))
 
 
+def _spy(monkeypatch, module, name) -> list:
+    """module.name still runs, and each call's weight (its second argument) is listed."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def test_moe_layer_routed_gate_up_on_imma(monkeypatch):
     """The fused IQ2_XXS gate/up on imma_iq2_xxs.py's int8 tensor-core kernel (D = 512: whole
     512-column stages), its x prepared beside the router (side_x) and in line, then also the
     Q2_K down on imma_q2_k's: the reference's output (their own x roundings; the kernels'
     bounds are checked in test_imma_iq2_xxs.py and test_imma_q2_k.py)."""
-    ran = []
-    real = moe.imma_iq2_xxs.gemv_prepared
-
-    def spy(*args, **kwargs):
-        ran.append(args[1])
-        return real(*args, **kwargs)
-    monkeypatch.setattr(moe.imma_iq2_xxs, "gemv_prepared", spy)
+    ran = _spy(monkeypatch, moe.imma_iq2_xxs, "gemv_prepared")
+    downs = _spy(monkeypatch, moe.imma_q2_k, "gemv_swiglu_imma")
     rng = fresh_rng()
     D, F, E, k = 512, 256, 4, 2
     host = _weights(rng, D, F, E, routed=(GGMLType.IQ2_XXS, GGMLType.Q2_K))
     steps = [dict(no_shared=True, fused=True, imma=True, side_x=True),
              dict(no_shared=True, fused=True, imma=True, clamp=1.0, imma_down=True)]
-    downs = []
-    real_down = moe.imma_q2_k.gemv_swiglu_imma
-
-    def spy_down(*args, **kwargs):
-        downs.append(args[1])
-        return real_down(*args, **kwargs)
-    monkeypatch.setattr(moe.imma_q2_k, "gemv_swiglu_imma", spy_down)
     _check_moe_layer(rng, host, D, F, E, k, steps, tol=5e-4)
     assert len(ran) == 2  # both steps ran the imma GEMV
     assert len(downs) == 1  # and the second the Q2_K down on imma_q2_k
