@@ -446,28 +446,35 @@ def _combined(out, part, sinks, pos, freqs):
     H, K = out.shape
     h = cuda.blockIdx.y
     t = cuda.threadIdx.x
-    mx = cuda.shared.array(MAX_SPLITS, float32)  # m_p
-    sums = cuda.shared.array(MAX_SPLITS, float32)  # l_p
-    for p in range(t, P, cuda.blockDim.x):
-        mx[p] = part[p, h, K]
-        sums[p] = part[p, h, K + 1]
+    lane = t & 31
+    wts = cuda.shared.array(MAX_SPLITS, float32)  # w_p = exp(m_p - M) / den
+    red = cuda.shared.array(MAX_COMBINE_THREADS, float32)  # (the simulator's warp sums)
+    # every warp: split p's (m_p, l_p) on lane p % 32 (P <= 64: two a lane), M and the
+    # denominator by warp shuffles; warp 0 keeps the weights. Two exps a thread, where taking
+    # every split's exp in every thread cost 2P + 1 (41 at P = 20) in a row
+    ninf = float32(-math.inf)
+    m0 = part[lane, h, K] if lane < P else ninf
+    m1 = part[lane + 32, h, K] if lane + 32 < P else ninf
+    l0 = part[lane, h, K + 1] if lane < P else float32(0.0)
+    l1 = part[lane + 32, h, K + 1] if lane + 32 < P else float32(0.0)
+    M = device.warp_max(max(max(m0, m1), sinks[h]), red)
+    e0 = float32(math.exp(m0 - M))  # an empty split (m = -inf): weight 0
+    e1 = float32(math.exp(m1 - M))
+    den = device.warp_sum(e0 * l0 + e1 * l1, red) + float32(math.exp(sinks[h] - M))
+    if t < 32:
+        inv = float32(1.0) / den
+        if lane < P:
+            wts[lane] = e0 * inv
+        if lane + 32 < P:
+            wts[lane + 32] = e1 * inv
     cuda.syncthreads()
-    M = sinks[h]
-    for p in range(P):
-        M = max(M, mx[p])
-    den = float32(math.exp(sinks[h] - M))
-    for p in range(P):
-        den += float32(math.exp(mx[p] - M)) * sums[p]  # an empty split (m = -inf): weight 0
     d = cuda.blockIdx.x * cuda.blockDim.x + t
     o = float32(0.0)
     if d < K:
-        num = float32(0.0)
-        for p0 in range(0, P, 8):
-            for u in range(8):
+        for p0 in range(0, P, 16):  # 16 accumulator loads in flight, not one L2 trip a split
+            for u in range(16):
                 p = min(p0 + u, P - 1)
-                wp = float32(math.exp(mx[p] - M)) if p0 + u < P else float32(0.0)
-                num += part[p, h, d] * wp
-        o = num / den
+                o += part[p, h, d] * (wts[p] if p0 + u < P else float32(0.0))
     nope = K - 2 * freqs.shape[0]
     if freqs.shape[0] > 0 and cuda.blockIdx.x * cuda.blockDim.x + cuda.blockDim.x > nope:
         mine = cuda.shared.array(MAX_COMBINE_THREADS, float32)  # (uniform branch per block)
@@ -485,10 +492,10 @@ def _combined(out, part, sinks, pos, freqs):
 @device.kernel
 def _attention_combine(out, part, sinks, pos, freqs):
     """out[H, K] <- the P split partials of head blockIdx.y, dims blockIdx.x·blockDim.x + t,
-    merged with the sink in the denominator. The P (max, sum) pairs go through shared memory
-    once per block, and every thread takes their exponentials itself (P ≤ 32 exps against two
-    more block barriers); the accumulator loads are issued eight at a time (independent loads in
-    flight instead of one L2 round trip per split). With freqs [R/2] not empty, the last R dims
+    merged with the sink in the denominator. Each warp reads the P (max, sum) pairs, a split a
+    lane, and reduces them by shuffles; warp 0 leaves the P weights exp(m_p - M) / den in
+    shared memory, so a thread takes two exps (it took 2P + 1) and then only loads and FMAs,
+    16 accumulator loads at a time. With freqs [R/2] not empty, the last R dims
     are then rotated back by the inverse RoPE at pos[0] (§4.9) with norm_rope.rope's float32
     cos/sin of a float64 angle: the pair partner is the neighbouring thread (R and K - R even,
     blocks a multiple of 2 wide), through shared memory."""
@@ -685,7 +692,7 @@ def bench_cases(stream) -> list[BenchCase]:
     kernels = {"split": dict(mma=False), "mma 1 tile/split": dict(mma=True, tiles_per_split=1),
                "mma 2 tiles/split": dict(mma=True, tiles_per_split=2),
                "mma 4 tiles/split": dict(mma=True, tiles_per_split=4),
-               **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (2, 4, 8)}}
+               **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (1, 2, 4)}}
     for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):
         hca = mode == "HCA"
         ncap = ncomp if hca else 262_144 // 16  # CSA: a 64K-entry pool, 512 rows picked from it

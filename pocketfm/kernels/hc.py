@@ -496,6 +496,14 @@ def _hc_pre_finish_mix(out_u, out_post, out_comb, X, mix, base, scale, rms_eps, 
 
 
 @cuda.jit(device=True)
+def _inv_rms(ss, D, rms_eps, scratch, wsum):
+    """1 / rms of a row of D values from each thread's sum of squares ss: norm_row's
+    arithmetic (block_sum_warps, then the float64 root). Every thread calls it."""
+    tot = block_sum_warps(ss, scratch, wsum)
+    return np.float32(1.0 / math.sqrt(tot / D + rms_eps))
+
+
+@cuda.jit(device=True)
 def _collapse_norm(out_u, out_norm, norm_w, X, pre, t, n, rms_eps, scratch, wsum):
     """_collapse (D <= UNROLL * blockDim: one round) and out_norm[t] = rmsnorm(u) * norm_w from
     the u values still in registers: norm_row's arithmetic (the same elements a thread, summed
@@ -509,12 +517,63 @@ def _collapse_norm(out_u, out_norm, norm_w, X, pre, t, n, rms_eps, scratch, wsum
         if tid + k * nt < D:
             out_u[t, tid + k * nt] = uk[k]
             ss += uk[k] * uk[k]
-    tot = block_sum_warps(ss, scratch, wsum)
-    inv = np.float32(1.0 / math.sqrt(tot / D + rms_eps))
+    inv = _inv_rms(ss, D, rms_eps, scratch, wsum)
     for k in range(UNROLL):
         d = tid + k * nt
         if d < D:
             out_norm[t, d] = uk[k] * inv * norm_w[d]
+
+
+XV4 = 4 * UNROLL  # a thread's stream values in _hc_pre_finish_u4: V4's HC = 4 x UNROLL dims
+
+
+@device.kernel(max_registers=64)
+def _hc_pre_finish_u4(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_norm, norm_w):
+    """A candidate for _hc_pre_finish_u at HC = 4 with the norm and D <= UNROLL * blockDim
+    (V4's decode), one block a token: the same arithmetic as _gather_partials, _pre_weights
+    and _collapse_norm (the same bits), but the thread's X values are loaded first, before the
+    partials (they need nothing the partials give: one wait on memory where there were two in
+    a row), the norm weights before the block sum, and every thread makes the four pre weights
+    itself (no barrier for them). Uncapped, ptxas (sm_90) gives it 64 or 71 registers by
+    version; ``max_registers=64`` keeps 1,024-thread blocks fitting (CI's register check
+    compiles without the cap, so the kernel is not in REGISTER_BUDGETS)."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)
+    wsum = cuda.shared.array(32, np.float32)
+    mv = cuda.shared.array(MAX_ROWS1, np.float32)
+    t = cuda.blockIdx.x
+    D = X.shape[2]
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    xv = cuda.local.array(XV4, np.float32)
+    wv = cuda.local.array(UNROLL, np.float32)
+    uk = cuda.local.array(UNROLL, np.float32)
+    for k in range(UNROLL):
+        d = min(tid + k * nt, D - 1)
+        for st in range(4):
+            xv[k * 4 + st] = X[t, st, d]
+    _gather_partials(mv, part, t, 25, splits, scratch)  # (2 + 4) * 4 mix rows + the squares
+    rinv = _rms_factor(mv[24], X, rms_eps)
+    p0 = _sigmoid(mv[0] * rinv * scale[0] + base[0]) + hc_eps  # _pre_weights' expression
+    p1 = _sigmoid(mv[1] * rinv * scale[0] + base[1]) + hc_eps
+    p2 = _sigmoid(mv[2] * rinv * scale[0] + base[2]) + hc_eps
+    p3 = _sigmoid(mv[3] * rinv * scale[0] + base[3]) + hc_eps
+    ss = np.float32(0.0)
+    for k in range(UNROLL):
+        u = np.float32(0.0)  # _u_values' order
+        u += p0 * xv[k * 4]
+        u += p1 * xv[k * 4 + 1]
+        u += p2 * xv[k * 4 + 2]
+        u += p3 * xv[k * 4 + 3]
+        uk[k] = u
+        if tid + k * nt < D:
+            out_u[t, tid + k * nt] = u
+            ss += u * u
+    for k in range(UNROLL):  # in flight during the block sum
+        wv[k] = norm_w[min(tid + k * nt, D - 1)]
+    inv = _inv_rms(ss, D, rms_eps, scratch, wsum)
+    for k in range(UNROLL):
+        d = tid + k * nt
+        if d < D:
+            out_norm[t, d] = uk[k] * inv * wv[k]
 
 
 @device.kernel
@@ -672,7 +731,7 @@ def _mix(dest, X, fn, rows, stream, threads, post_from=None):
 
 def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
            threads=None, naive=False, mix=None, side=None, norm=None, post_from=None,
-           u_threads=None) -> None:
+           u_threads=None, u_prefetch: bool = False) -> None:
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
@@ -694,7 +753,8 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     own launch (the decode: one launch fewer a sublayer), else an hc_post launch before.
 
     ``u_threads`` (with ``side``): the block size of _hc_pre_finish_u instead of its own choice
-    (``_u_threads``); an A/B of the decode step."""
+    (``_u_threads``); an A/B of the decode step. ``u_prefetch`` (with ``side`` and ``norm``, HC
+    = 4, D within one round of the block): the candidate _hc_pre_finish_u4 instead."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
@@ -720,7 +780,11 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
                                                        *eps, splits)
         out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
         args = (out_u, X, part, base, scale, *eps[:2], splits, out_norm, norm_w)
-        _hc_pre_finish_u[T, _u_threads(args, D, u_threads or threads), stream](*args)
+        nt = _u_threads(args, D, u_threads or threads)
+        if u_prefetch and hc == 4 and norm is not None and D <= UNROLL * nt:
+            _hc_pre_finish_u4[T, nt, stream](*args)
+        else:
+            _hc_pre_finish_u[T, nt, stream](*args)
         return
     splits = None if naive else _mix(out_u, X, fn, M, stream, threads)
     if splits is None:
@@ -783,6 +847,8 @@ PTX_SIGNATURES = [
      f"void({_PRE_OUT}, {_F3}, {_F3}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_mix_chunk_kernel(24), f"void({_F3}, {_F2}, {_F2})"),  # V4: HC = 4
     (_hc_pre_finish_u,
+     f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
+    (_hc_pre_finish_u4,
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_hc_pre_finish_post,
      f"void({_F2}, {_F3}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, int64)"),

@@ -89,6 +89,33 @@ def test_hc_pre_with_the_input_norm(path, D):
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
 
 
+@pytest.mark.parametrize("HC,prefetch", [(4, False), (4, True), (3, False)])
+def test_the_u_blocks_norm_has_norm_rows_bits(HC, prefetch):
+    """The side path's u block takes the norm from u in registers (_collapse_norm; with
+    ``u_prefetch`` at HC = 4 the candidate _hc_pre_finish_u4, its loads issued before the
+    partials): the same bits as an RMSNorm launch over the u it wrote, and u within 1e-4 of
+    the reference."""
+    from pocketfm.kernels import device
+    from pocketfm.kernels.norm_rope import rmsnorm
+
+    rng = fresh_rng()
+    T, D = 2, 4 * THREADS - 8
+    M = (2 + HC) * HC
+    X, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    w = cuda.to_device(rng.standard_normal(D).astype(np.float32))
+    u, post, comb, un = poisoned((T, D)), poisoned((T, HC)), poisoned((T, HC, HC)), poisoned((T, D))
+    side = device.SideStream()
+    hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+              threads=THREADS, norm=(un, w), side=side, u_prefetch=prefetch)
+    side.join(0)
+    again = poisoned((T, D))
+    rmsnorm(again, u, w, 1e-6, True, threads=THREADS)
+    assert np.array_equal(un.copy_to_host(), again.copy_to_host())
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, *_f64(X, fn, base, scale), 1e-6, 1e-6, 20)
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+
+
 @pytest.mark.parametrize("path", ["side", "split", "naive", "mix"])
 def test_hc_pre_after_the_previous_post(path):
     """``post_from``: X is first made as the previous sublayer's hc_post (on the side-stream
