@@ -180,6 +180,21 @@ def test_the_indexer_and_combine_candidates_change_no_logit():
     assert _rel(logits["Hadamard a warp a vector"], logits["16 heads a warp"]) <= 1e-4
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the engine's HC blocks)")
+def test_the_hc_loads_first_candidates_change_no_logit():
+    """HC pre's u block and HC post + mix with their loads issued first (hc_u_prefetch,
+    hc_mix_prefetch): the same arithmetic as the landed kernels, so the same logits, bit for
+    bit (the simulator's engine runs the naive HC kernels: tests/kernels/test_hc.py has the
+    candidates' own bit-equality tests)."""
+    logits = _flash_4_layer_logits({
+        "landed": dict(hc_u_prefetch=False, hc_mix_prefetch=False),
+        "u block": dict(hc_u_prefetch=True, hc_mix_prefetch=False),
+        "post + mix": dict(hc_u_prefetch=False, hc_mix_prefetch=True),
+        "both": dict(hc_u_prefetch=True, hc_mix_prefetch=True)})
+    for name in ("u block", "post + mix", "both"):
+        assert np.array_equal(logits[name], logits["landed"]), name
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
 @pytest.mark.parametrize("layers, bound", [(1, 1e-4), (4, 5e-3)])
 def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only(layers, bound):

@@ -247,7 +247,7 @@ def _decode_variants() -> dict:
     candidate (the q_a norm folded on every layer: slower, the CSA layers' indexer path gets
     longer; the indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the
     routed Q2_K down on imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l); HC
-    pre's u block loading its stream values before the mix partials). HC
+    pre's u block and HC post + mix with their loads issued first, not yet measured). HC
     pre's mix and u in one launch (the last block to finish making u) was a candidate too,
     8.30 against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
@@ -262,7 +262,10 @@ def _decode_variants() -> dict:
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
             "the routed down on int8 tensor cores too (imma)": dict(imma_down=True),
-            "HC pre's u block with its loads first (candidate)": dict(hc_u_prefetch=True)}
+            "HC pre's u block with its loads first (candidate)": dict(hc_u_prefetch=True),
+            "HC post + mix with its loads first (candidate)": dict(hc_mix_prefetch=True),
+            "both HC kernels with their loads first (candidates)": dict(
+                hc_u_prefetch=True, hc_mix_prefetch=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

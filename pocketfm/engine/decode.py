@@ -148,10 +148,12 @@ class DecodeEngine:
         # HC pre's u block: None, its own choice (V4: 1024 threads, the norm from registers);
         # 512: the block before that (two-pass norm), for bench --decode-ab
         self.hc_u_threads = None
-        # candidate: HC pre's u block loading its stream values before the mix partials
+        # candidates: HC pre's u block loading its stream values before the mix partials
         # (hc._hc_pre_finish_u4; the graph's kernels under ncu, H200: the u block 10.8-11.1 µs,
-        # twice a layer on the critical path, 2026-12-06 (m))
+        # twice a layer on the critical path, 2026-12-06 (m)), and HC post + mix with every
+        # load first (hc._hc_post_mix_split4; 6.7-7.1 µs, likewise)
         self.hc_u_prefetch = False
+        self.hc_mix_prefetch = False
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -181,9 +183,9 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        imma_gate_up, imma_down, hc_u_prefetch) set while inside, as they were after it; the
-        step is captured anew under each (an A/B of the step; an unknown name raises
-        AttributeError)."""
+        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch) set while inside, as they were
+        after it; the step is captured anew under each (an A/B of the step; an unknown name
+        raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -284,7 +286,7 @@ class DecodeEngine:
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
                threads=nt, side=side, norm=(u, L.attn_norm), post_from=post_from,
                u_threads=self.hc_u_threads, u_prefetch=self.hc_u_prefetch,
-               **sim)  # u = attn_norm(HC pre)
+               mix_prefetch=self.hc_mix_prefetch, **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
         if cfg.is_csa(i):  # the indexer's keys and weights, from u alone: on their own branch
@@ -411,7 +413,7 @@ class DecodeEngine:
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
                cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm),
                post_from=post_from, u_threads=self.hc_u_threads,
-               u_prefetch=self.hc_u_prefetch, **sim)
+               u_prefetch=self.hc_u_prefetch, mix_prefetch=self.hc_mix_prefetch, **sim)
         moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],

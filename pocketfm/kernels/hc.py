@@ -235,6 +235,25 @@ def _hc_post_naive(out, f, X, post, comb):
 # time into registers before any is used, and stores come after all loads (the compiler cannot
 # move a load of X above a store to out_u: it does not know they never alias).
 @cuda.jit(device=True)
+def _mix_round(acc, xs, vals, e0, cb, r, M):
+    """acc plus one round of a lane's split-mix terms: vals[k] · xs[e] for its staged columns
+    e = e0 + 32k (mix row r < M), or xs[e]^2 (row M, the sum of squares)."""
+    for k in range(UNROLL):
+        e = e0 + 32 * k
+        if e < cb and r <= M:
+            acc += xs[e] * xs[e] if r == M else vals[k] * xs[e]
+    return acc
+
+
+@cuda.jit(device=True)
+def _put_partial(part, acc, scratch, lane, r, M, t, b, splits):
+    """part[t, r * splits + b] <- the warp's sum of acc (row r <= M). Every lane calls it."""
+    acc = warp_sum(acc, scratch)
+    if lane == 0 and r <= M:
+        part[t, r * splits + b] = acc
+
+
+@cuda.jit(device=True)
 def _mix_partials(part, xs, fn, c0, cb, C, t):
     """The split mix over the cb staged columns xs (flattened columns c0 ..): warp w takes mix
     rows w, w + warps, ... and its lanes read the row's fn values coalesced. Writes
@@ -253,13 +272,8 @@ def _mix_partials(part, xs, fn, c0, cb, C, t):
         for e0 in range(lane, cb, 32 * UNROLL):
             for k in range(UNROLL):
                 vals[k] = fn[rr, min(c0 + e0 + 32 * k, C - 1)]
-            for k in range(UNROLL):
-                e = e0 + 32 * k
-                if e < cb and r <= M:
-                    acc += xs[e] * xs[e] if r == M else vals[k] * xs[e]
-        acc = warp_sum(acc, scratch)
-        if lane == 0 and r <= M:
-            part[t, r * splits + b] = acc
+            acc = _mix_round(acc, xs, vals, e0, cb, r, M)
+        _put_partial(part, acc, scratch, lane, r, M, t, b, splits)
 
 
 @device.kernel
@@ -375,6 +389,48 @@ def _hc_post_mix_split(part, X, f, X_prev, post, comb, fn, cb):
         xs[e] = v
     cuda.syncthreads()
     _mix_partials(part, xs, fn, c0, cb, C, t)
+
+
+@device.kernel
+def _hc_post_mix_split4(part, X, f, X_prev, post, comb, fn, cb):
+    """A candidate for _hc_post_mix_split at HC = 4 with cb <= 32 * UNROLL columns a block and
+    a warp for every mix row (V4's decode: 128 columns, 25 warps of 800 threads): the same
+    arithmetic (the same bits), but every load is issued first: the warp's fn values, the
+    thread's column of f and of the four previous streams, then the post coefficients. The
+    block then waits on memory once, where _hc_post_mix_split waits three times in a row (the
+    coefficients, the previous streams after their barrier, fn after the next one)."""
+    xs = cuda.shared.array(MAX_CB, np.float32)
+    pc = cuda.shared.array(MAX_PC, np.float32)
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)  # (the simulator's warp_sum)
+    fv = cuda.local.array(UNROLL, np.float32)
+    b, t = cuda.blockIdx.x, cuda.blockIdx.y
+    D = X.shape[2]
+    C = 4 * D
+    M = fn.shape[0]
+    tid = cuda.threadIdx.x
+    lane, w = tid % 32, tid // 32
+    c0 = b * cb
+    rr = min(w, M - 1)  # (row M, the sum of squares, reads no fn: its loads go unused)
+    for k in range(UNROLL):
+        fv[k] = fn[rr, min(c0 + lane + 32 * k, C - 1)]
+    c = min(c0 + tid, C - 1)  # thread e < cb makes column c0 + e
+    kc, d = c // D, c % D
+    fd = f[t, d]
+    x0, x1, x2, x3 = X_prev[t, 0, d], X_prev[t, 1, d], X_prev[t, 2, d], X_prev[t, 3, d]
+    _stage_post_coeffs(pc, post, comb, t)
+    if tid < cb:
+        v = np.float32(0.0)
+        if c0 + tid < C:  # _hc_post_mix_split's order: the post term, then the streams
+            v = pc[16 + kc] * fd
+            v += pc[kc] * x0
+            v += pc[4 + kc] * x1
+            v += pc[8 + kc] * x2
+            v += pc[12 + kc] * x3
+            X[t, kc, d] = v
+        xs[tid] = v
+    cuda.syncthreads()
+    acc = _mix_round(np.float32(0.0), xs, fv, lane, cb, w, M)  # (one round: cb <= 32·UNROLL)
+    _put_partial(part, acc, scratch, lane, w, M, t, b, cuda.gridDim.x)
 
 
 @cuda.jit(device=True)
@@ -711,10 +767,11 @@ def _threads(threads, default):
     return nt
 
 
-def _mix(dest, X, fn, rows, stream, threads, post_from=None):
+def _mix(dest, X, fn, rows, stream, threads, post_from=None, prefetch=False):
     """Launch the split mix into ``dest`` (out_u, where the partials are parked, or a
     workspace); returns the split count, or None when D is too small for it. ``post_from``
-    (f, X_prev, post, comb): X is first made as hc_post of them, in the same launch."""
+    (f, X_prev, post, comb): X is first made as hc_post of them, in the same launch
+    (``prefetch``: by the candidate _hc_post_mix_split4 where it applies)."""
     T, hc, D = X.shape
     plan = _split_plan(D, hc, rows)
     if plan is None:
@@ -725,13 +782,15 @@ def _mix(dest, X, fn, rows, stream, threads, post_from=None):
         _hc_mix_split[(splits, T), nt, stream](dest, X, fn, cb)
     else:
         assert nt >= hc * hc + hc
-        _hc_post_mix_split[(splits, T), nt, stream](dest, X, *post_from, fn, cb)
+        fits = hc == 4 and cb <= 32 * UNROLL and cb <= nt and nt >= 32 * (rows + 1)
+        kern = _hc_post_mix_split4 if prefetch and fits else _hc_post_mix_split
+        kern[(splits, T), nt, stream](dest, X, *post_from, fn, cb)
     return splits
 
 
 def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
            threads=None, naive=False, mix=None, side=None, norm=None, post_from=None,
-           u_threads=None, u_prefetch: bool = False) -> None:
+           u_threads=None, u_prefetch: bool = False, mix_prefetch: bool = False) -> None:
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
@@ -753,8 +812,9 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     own launch (the decode: one launch fewer a sublayer), else an hc_post launch before.
 
     ``u_threads`` (with ``side``): the block size of _hc_pre_finish_u instead of its own choice
-    (``_u_threads``); an A/B of the decode step. ``u_prefetch`` (with ``side`` and ``norm``, HC
-    = 4, D within one round of the block): the candidate _hc_pre_finish_u4 instead."""
+    (``_u_threads``); an A/B of the decode step. Candidates that issue their loads first (with
+    ``side``, HC = 4): ``u_prefetch``, _hc_pre_finish_u4 (with ``norm``, D within one round of
+    the u block); ``mix_prefetch``, _hc_post_mix_split4 (with ``post_from``)."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
@@ -775,7 +835,7 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     if side is not None and plan is not None:
         part = device.stream_buffer("hc_pre partials", stream, (T, (M + 1) * plan[1]),
                                     np.float32)
-        splits = _mix(part, X, fn, M, stream, threads, post_from)
+        splits = _mix(part, X, fn, M, stream, threads, post_from, mix_prefetch)
         _hc_pre_finish_post[T, 128, side.fork(stream)](out_post, out_comb, X, part, base, scale,
                                                        *eps, splits)
         out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
@@ -841,6 +901,7 @@ PTX_SIGNATURES = [
     (_hc_post_naive, f"void({_F3}, {_F2}, {_F3}, {_F2}, {_F3})"),
     (_hc_mix_split, f"void({_F2}, {_F3}, {_F2}, int64)"),
     (_hc_post_mix_split, f"void({_F2}, {_F3}, {_F2}, {_F3}, {_F2}, {_F3}, {_F2}, int64)"),
+    (_hc_post_mix_split4, f"void({_F2}, {_F3}, {_F2}, {_F3}, {_F2}, {_F3}, {_F2}, int64)"),
     (_hc_pre_finish,
      f"void({_PRE_OUT}, {_F3}, {_F1}, {_F1}, float32, float32, int64, int64)"),
     (_hc_pre_finish_mix,

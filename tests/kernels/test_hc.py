@@ -16,6 +16,14 @@ def _inputs(rng, T, HC, D, M, n_scale):
     return X, fn, base, scale
 
 
+def _post_inputs(rng, T, HC, D):
+    """(f, post, comb): a sublayer's output and the HC post's coefficients."""
+    f = rng.standard_normal((T, D)).astype(np.float32)
+    post = rng.uniform(0, 2, (T, HC)).astype(np.float32)
+    comb = rng.uniform(0, 1, (T, HC, HC)).astype(np.float32)
+    return f, post, comb
+
+
 def _f64(*arrays):
     return [a.astype(np.float64) for a in arrays]
 
@@ -127,9 +135,7 @@ def test_hc_pre_after_the_previous_post(path):
     HC, T, D = 4, 2, 256
     M = (2 + HC) * HC
     Xp, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
-    f = rng.standard_normal((T, D)).astype(np.float32)
-    post0 = rng.uniform(0, 2, (T, HC)).astype(np.float32)
-    comb0 = rng.uniform(0, 1, (T, HC, HC)).astype(np.float32)
+    f, post0, comb0 = _post_inputs(rng, T, HC, D)
     ref_X = np.empty((T, HC, D))
     hc.hc_post_ref(ref_X, *_f64(f, Xp, post0, comb0))
     ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
@@ -148,6 +154,32 @@ def test_hc_pre_after_the_previous_post(path):
     assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
     assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
+def test_post_mix_with_its_loads_first_has_the_same_bits():
+    """``mix_prefetch``: the candidate _hc_post_mix_split4 (every load issued before the post
+    coefficients' barrier) writes the same X and the same mix partials, bit for bit, as
+    _hc_post_mix_split, at the decode's own block (800 threads: a warp a mix row); the
+    partials buffer is compared whole, so u, post and comb follow."""
+    from pocketfm.kernels import device
+
+    rng = fresh_rng()
+    HC, T, D = 4, 1, 256
+    M = (2 + HC) * HC
+    Xp, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    f, post0, comb0 = _post_inputs(rng, T, HC, D)
+    out = {}
+    for prefetch in (False, True):
+        X, part = poisoned((T, HC, D)), poisoned((T, D))
+        splits = hc._mix(part, X, cuda.to_device(fn), M, 0, None,
+                         (cuda.to_device(f), cuda.to_device(Xp), cuda.to_device(post0),
+                          cuda.to_device(comb0)), prefetch)
+        out[prefetch] = X.copy_to_host(), part.copy_to_host()[:, :(M + 1) * splits]
+    ref_X = np.empty((T, HC, D))
+    hc.hc_post_ref(ref_X, *_f64(f, Xp, post0, comb0))
+    assert rel_err(out[True][0], ref_X) <= 1e-5
+    assert np.array_equal(out[True][0], out[False][0])
+    assert np.array_equal(out[True][1], out[False][1])
 
 
 @pytest.mark.parametrize("T,HC,D", [(3, 4, 64), (21, 4, 40), (6, 3, 24)])
