@@ -323,6 +323,10 @@ def inspect(path, all_keys):
 @click.option("--ncu-step", is_flag=True,
               help="Then run one more step eagerly on one stream between cudaProfilerStart and "
                    "Stop: under `ncu --profile-from-start off` a per-kernel profile of one step.")
+@click.option("--ncu-graph", is_flag=True,
+              help="As --ncu-step, with the captured graph's own kernels and side streams (ncu "
+                   "still runs each kernel alone): the step's main-stream kernels in order, "
+                   "whose times add up to the replayed step (BENCHMARKS.md 2026-12-06 (m)).")
 @click.option("--ncu-chunk", is_flag=True,
               help="With --prefill: then run its last chunk again, on one stream, between "
                    "cudaProfilerStart and Stop (a per-kernel profile of one chunk under ncu).")
@@ -367,7 +371,8 @@ def inspect(path, all_keys):
                    "geometry on a card under its 87 GB of weights (--layers 30: ~61 GB). "
                    "tok/s then counts N layers' work, not the model's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, prefill_ab,
+def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, ncu_chunk,
+          prefill_ab,
           decode_ab, prefill, prefill_chunk, kv_swap, gpu_chunks, interval, churn, commit_lag,
           layers, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
@@ -388,7 +393,10 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
     cfg = preset(preset_name)
     if layers is not None:
         cfg = first_layers(cfg, layers)
-    if ctx + prefill + tokens + 3 + int(ncu_step) > cfg.ctx_train:
+    if ncu_step and ncu_graph:
+        raise InputError("--ncu-step / --ncu-graph: one of them (each profiles one more step)")
+    ncu = "graph" if ncu_graph else ncu_step
+    if ctx + prefill + tokens + 3 + int(bool(ncu)) > cfg.ctx_train:
         raise InputError(f"--ctx {ctx}: with --prefill {prefill} and --tokens {tokens} exceeds "
                          f"the {preset_name} context_length {cfg.ctx_train}")
     for flag, on in (("--ncu-chunk", ncu_chunk), ("--prefill-ab", prefill_ab)):
@@ -413,15 +421,16 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_chunk, p
         if ctx // 4 <= slots:
             raise InputError(f"--kv-swap: --ctx {ctx} has {ctx // 4} chunks, not more than the "
                              f"{slots} staging slots: nothing to swap")
-        if profile or ncu_step or ncu_chunk or decode_ab:
+        if profile or ncu or ncu_chunk or decode_ab:
             flag = ("--profile" if profile else "--ncu-step" if ncu_step else
-                    "--ncu-chunk" if ncu_chunk else "--decode-ab")
+                    "--ncu-graph" if ncu_graph else "--ncu-chunk" if ncu_chunk else
+                    "--decode-ab")
             raise InputError(f"{flag}: not with --kv-swap (profile the step without it)")
     elif gpu_chunks is not None or commit_lag is not None:
         raise InputError(f"--{'gpu-chunks' if gpu_chunks is not None else 'commit-lag'}: only "
                          "meaningful with --kv-swap")
     r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk,
-                  slots, interval, churn, commit_lag, ncu=ncu_step, ncu_prefill=ncu_chunk,
+                  slots, interval, churn, commit_lag, ncu=ncu, ncu_prefill=ncu_chunk,
                   prefill_ab=prefill_ab, decode_ab=decode_ab)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, layers=cfg.n_layers, **r)))

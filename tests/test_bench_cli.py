@@ -48,6 +48,18 @@ def test_bench_tiny_in_the_simulator():
     assert r["gpu_bytes"]["weights"] > nb["weights"] > 0
 
 
+def test_bench_ncu_graph_in_the_simulator():
+    """--ncu-graph: the one more step with the engine's side streams (no profiler in the
+    simulator: the step just runs); with --ncu-step too, a one-line error."""
+    code, out, err = bench("--preset", "tiny", "--ctx", "42", "--tokens", "1", "--ncu-graph",
+                           "--json")
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["decode_tok_s"] > 0
+    code, _, err = bench("--preset", "tiny", "--ctx", "42", "--ncu-step", "--ncu-graph")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--ncu-graph" in lines[0], err
+
+
 def test_bench_kv_swap_in_the_simulator():
     """The swap bench's plumbing: a lookahead-shaped set of 24 pages (tiny: KMAX 24 pages of
     4 chunks) in 100 slots of 105 chunks, staged every 2 replays and in force 1 replay later."""
@@ -115,7 +127,7 @@ def test_decode_variants_time_the_step_and_restore_the_settings(micro_path):
 
 
 def test_bench_profiling_is_refused_with_kv_swap():
-    for flag in ("--profile", "--ncu-step", "--ncu-chunk", "--decode-ab"):
+    for flag in ("--profile", "--ncu-step", "--ncu-graph", "--ncu-chunk", "--decode-ab"):
         code, _, err = bench("--preset", "tiny", "--ctx", "420", "--kv-swap", "--gpu-chunks",
                              "100", flag)
         lines = err.strip().splitlines()

@@ -140,19 +140,21 @@ def profile_step(eng: DecodeEngine, repeats: int = 20) -> dict:
     return dict(ms.most_common())
 
 
-def ncu_step(eng: DecodeEngine) -> None:
+def ncu_step(eng: DecodeEngine, graph: bool = False) -> None:
     """One more step, launched eagerly on the engine's one stream (no concurrent branches)
     between cudaProfilerStart and cudaProfilerStop, for Nsight Compute: ``ncu
     --profile-from-start off ... pocketfm bench --ncu-step`` then profiles every kernel of one
     step, each alone (ncu serialises them and, by default, flushes the caches before each;
-    their sum is therefore above the replayed graph's step). The simulator has no profiler:
-    the step just runs."""
-    branches, eng.branches = eng.branches, False
+    their sum is therefore above the replayed graph's step). ``graph`` (``--ncu-graph``): with
+    the engine's side streams, so the kernels are the captured graph's own (the branch forms
+    of HC pre, q_b's limbs, ...) and each keeps its stream in ncu's CSV. The simulator has no
+    profiler: the step just runs."""
+    branches, eng.branches = eng.branches, eng.branches if graph else False
     try:
         if not device.SIMULATOR:
             cuda.profile_start()
         eng.launch_step()
-        eng.stream.synchronize()
+        cuda.synchronize()  # (the side streams too)
     finally:
         if not device.SIMULATOR:
             cuda.profile_stop()
@@ -479,14 +481,15 @@ def bench_kv_swap(eng: DecodeEngine, ctx: int, tokens: int, interval: int, churn
 def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", seed: int = 0,
               progress=None, profile: bool = False, prefill: int = 0,
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
-              churn: float = 0.1, lag: int | None = None, ncu: bool = False,
+              churn: float = 0.1, lag: int | None = None, ncu: bool | str = False,
               ncu_prefill: bool = False, prefill_ab: bool = False,
               decode_ab: bool = False) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
     replays after its boundary (None: as ``run --kv-swap``). ``ncu``: then one more step for
-    Nsight Compute (``ncu_step``; not with kv_swap); ``ncu_prefill``: the last prefill chunk
+    Nsight Compute (``ncu_step``; ``"graph"``: with the side streams; not with kv_swap);
+    ``ncu_prefill``: the last prefill chunk
     again for it (``ncu_chunk``); ``prefill_ab``: the last prefill chunk again under each of
     time_prefill_variants' variants (``prefill_ab`` in the result); ``decode_ab``: the timed
     decode steps again under each of time_decode_variants' variants (``decode_ab``)."""
@@ -505,7 +508,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
                               cap_mib=1 << 30, lag=lag,
                               key_layers=tuple(i for i in csa if i not in targets))
     eng = DecodeEngine(cfg, SyntheticSource(cfg, quant, seed, stream),
-                       ctx + prefill + tokens + 3 + int(ncu) + (interval if kv_swap else 0),
+                       ctx + prefill + tokens + 3 + int(bool(ncu)) + (interval if kv_swap else 0),
                        stream=stream, progress=progress, swap=swap)
     build_s = time.perf_counter() - t0
     fill_caches(eng, ctx, seed)
@@ -547,7 +550,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
         if prefill:
             extra["prefill_profile"] = profile_chunk(eng.prefill(prefill_chunk), *last)
     if ncu:
-        ncu_step(eng)
+        ncu_step(eng, graph=ncu == "graph")
     if ncu_prefill and prefill:
         ncu_chunk(eng.prefill(prefill_chunk), *last)
     return dict(
