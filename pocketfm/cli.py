@@ -372,9 +372,8 @@ def inspect(path, all_keys):
                    "tok/s then counts N layers' work, not the model's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, ncu_chunk,
-          prefill_ab,
-          decode_ab, prefill, prefill_chunk, kv_swap, gpu_chunks, interval, churn, commit_lag,
-          layers, as_json):
+          prefill_ab, decode_ab, prefill, prefill_chunk, kv_swap, gpu_chunks, interval, churn,
+          commit_lag, layers, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic

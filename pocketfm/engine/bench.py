@@ -489,10 +489,10 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
     replays after its boundary (None: as ``run --kv-swap``). ``ncu``: then one more step for
     Nsight Compute (``ncu_step``; ``"graph"``: with the side streams; not with kv_swap);
-    ``ncu_prefill``: the last prefill chunk
-    again for it (``ncu_chunk``); ``prefill_ab``: the last prefill chunk again under each of
-    time_prefill_variants' variants (``prefill_ab`` in the result); ``decode_ab``: the timed
-    decode steps again under each of time_decode_variants' variants (``decode_ab``)."""
+    ``ncu_prefill``: the last prefill chunk again for it (``ncu_chunk``); ``prefill_ab``: the
+    last prefill chunk again under each of time_prefill_variants' variants (``prefill_ab`` in
+    the result); ``decode_ab``: the timed decode steps again under each of
+    time_decode_variants' variants (``decode_ab``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()

@@ -448,7 +448,7 @@ def _combined(out, part, sinks, pos, freqs):
     t = cuda.threadIdx.x
     lane = t & 31
     wts = cuda.shared.array(MAX_SPLITS, float32)  # w_p = exp(m_p - M) / den
-    red = cuda.shared.array(MAX_COMBINE_THREADS, float32)  # (the simulator's warp sums)
+    red = cuda.shared.array(_SHF, float32)  # (the simulator's warp sums)
     # every warp: split p's (m_p, l_p) on lane p % 32 (P <= 64: two a lane), M and the
     # denominator by warp shuffles; warp 0 keeps the weights. Two exps a thread, where taking
     # every split's exp in every thread cost 2P + 1 (41 at P = 20) in a row

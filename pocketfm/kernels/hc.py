@@ -484,6 +484,12 @@ def _collapse(out_u, X, pre, t, n):
 
 
 @cuda.jit(device=True)
+def _pre_weight(mv, i, rinv, base, scale, hc_eps):
+    """Stream i's pre weight sigmoid(mv[i] · rinv · scale_0 + base[i]) + eps from the raw mix."""
+    return _sigmoid(mv[i] * rinv * scale[0] + base[i]) + hc_eps
+
+
+@cuda.jit(device=True)
 def _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps):
     """pre[i] = sigmoid(...) + eps (threads i < HC) from the raw mix mv[:HC] and the sum of
     squares mv[M]; returns the rms factor rinv. Ends on a block barrier."""
@@ -492,7 +498,7 @@ def _pre_weights(pre, X, mv, base, scale, rms_eps, hc_eps):
     rinv = _rms_factor(mv[M], X, rms_eps)
     tid = cuda.threadIdx.x
     if tid < hc:
-        pre[tid] = _sigmoid(mv[tid] * rinv * scale[0] + base[tid]) + hc_eps
+        pre[tid] = _pre_weight(mv, tid, rinv, base, scale, hc_eps)
     cuda.syncthreads()
     return rinv
 
@@ -608,10 +614,10 @@ def _hc_pre_finish_u4(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_
             xv[k * 4 + st] = X[t, st, d]
     _gather_partials(mv, part, t, 25, splits, scratch)  # (2 + 4) * 4 mix rows + the squares
     rinv = _rms_factor(mv[24], X, rms_eps)
-    p0 = _sigmoid(mv[0] * rinv * scale[0] + base[0]) + hc_eps  # _pre_weights' expression
-    p1 = _sigmoid(mv[1] * rinv * scale[0] + base[1]) + hc_eps
-    p2 = _sigmoid(mv[2] * rinv * scale[0] + base[2]) + hc_eps
-    p3 = _sigmoid(mv[3] * rinv * scale[0] + base[3]) + hc_eps
+    p0 = _pre_weight(mv, 0, rinv, base, scale, hc_eps)  # every thread, no barrier
+    p1 = _pre_weight(mv, 1, rinv, base, scale, hc_eps)
+    p2 = _pre_weight(mv, 2, rinv, base, scale, hc_eps)
+    p3 = _pre_weight(mv, 3, rinv, base, scale, hc_eps)
     ss = np.float32(0.0)
     for k in range(UNROLL):
         u = np.float32(0.0)  # _u_values' order
@@ -686,7 +692,7 @@ def _hc_head_finish(out_u, X, base, scale, rms_eps, hc_eps, splits):
     rinv = _rms_factor(mv[hc], X, rms_eps)
     tid = cuda.threadIdx.x
     if tid < hc:
-        pre[tid] = _sigmoid(mv[tid] * rinv * scale[0] + base[tid]) + hc_eps
+        pre[tid] = _pre_weight(mv, tid, rinv, base, scale, hc_eps)
     cuda.syncthreads()
     if hc == 4:
         _collapse(out_u, X, pre, t, 4)
