@@ -338,13 +338,14 @@ def inspect(path, all_keys):
 @click.option("--decode-ab", is_flag=True,
               help="Then time the decode steps again under variants that each undo one landed "
                    "change (one stream instead of the side-stream branches; HC pre's u block of "
-                   "512 threads; x limbs a thread a chunk; the q_a norm as its own launch; the "
-                   "indexer's scores a warp per 16 heads; the top-k counting its first digit; "
-                   "out_a's limbs as their own launch; the routed gate+up on dp4a instead of "
-                   "the int8 tensor cores) or try a candidate (the q_a norm folded on every "
-                   "layer; the indexer query's Hadamard a warp a vector; the routed down on the "
-                   "int8 tensor cores too; HC pre's u block, HC post + mix, with their loads "
-                   "first), each step captured anew, in turn, twice: an A/B in one process.")
+                   "512 threads; HC pre's u block, HC post + mix, without their loads first; "
+                   "x limbs a thread a chunk; the q_a norm as its own launch; the indexer's "
+                   "scores a warp per 16 heads; the top-k counting its first digit; out_a's "
+                   "limbs as their own launch; the routed gate+up on dp4a instead of the int8 "
+                   "tensor cores) or try a candidate (the q_a norm folded on every layer; the "
+                   "indexer query's Hadamard a warp a vector; the routed down on the int8 "
+                   "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
+                   "process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")

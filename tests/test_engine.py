@@ -181,18 +181,30 @@ def test_the_indexer_and_combine_candidates_change_no_logit():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the engine's HC blocks)")
-def test_the_hc_loads_first_candidates_change_no_logit():
+def test_the_hc_kernels_with_their_loads_first_change_no_logit():
     """HC pre's u block and HC post + mix with their loads issued first (hc_u_prefetch,
-    hc_mix_prefetch): the same arithmetic as the landed kernels, so the same logits, bit for
-    bit (the simulator's engine runs the naive HC kernels: tests/kernels/test_hc.py has the
-    candidates' own bit-equality tests)."""
+    hc_mix_prefetch, the engine's default): the same arithmetic as the kernels before them,
+    so the same logits, bit for bit (the simulator's engine runs the naive HC kernels:
+    tests/kernels/test_hc.py has their own bit-equality tests)."""
+    off = dict(hc_u_gram=False)
     logits = _flash_4_layer_logits({
-        "landed": dict(hc_u_prefetch=False, hc_mix_prefetch=False),
-        "u block": dict(hc_u_prefetch=True, hc_mix_prefetch=False),
-        "post + mix": dict(hc_u_prefetch=False, hc_mix_prefetch=True),
-        "both": dict(hc_u_prefetch=True, hc_mix_prefetch=True)})
+        "landed": dict(off, hc_u_prefetch=False, hc_mix_prefetch=False),
+        "u block": dict(off, hc_u_prefetch=True, hc_mix_prefetch=False),
+        "post + mix": dict(off, hc_u_prefetch=False, hc_mix_prefetch=True),
+        "both": dict(off, hc_u_prefetch=True, hc_mix_prefetch=True)})
     for name in ("u block", "post + mix", "both"):
         assert np.array_equal(logits[name], logits["landed"]), name
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the engine's HC blocks)")
+def test_the_spread_u_block_changes_the_logits_by_rounding_only():
+    """HC pre's u and norm over D / 512 blocks, the norm's sum of squares from the streams'
+    Gram partials (hc_u_gram, the engine's default): other float sums than the one block's
+    (the mix blocks take other columns, the norm another formula), the same logits within
+    rounding after 4 layers."""
+    logits = _flash_4_layer_logits({"gram": dict(hc_u_gram=True),
+                                    "one block": dict(hc_u_gram=False)})
+    assert 0 < _rel(logits["gram"], logits["one block"]) <= 1e-3
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")

@@ -241,21 +241,24 @@ def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> d
 
 def _decode_variants() -> dict:
     """What ``bench --decode-ab`` times against the step as landed: DecodeEngine settings that
-    undo one change each (the side streams; HC pre's u block of 1,024 threads with the norm
-    from registers; the dp4a GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's
-    limbs off the CSA layers; the indexer's scores by one warp holding every head, and the
-    top-k's first digit counted by it; out_a's limbs made by the attention's combine; the
-    routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV) or try a
-    candidate (the q_a norm folded on every layer: slower, the CSA layers' indexer path gets
-    longer; the indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the
-    routed Q2_K down on imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l); HC
-    pre's u block and HC post + mix with their loads issued first, not yet measured). HC
-    pre's mix and u in one launch (the last block to finish making u) was a candidate too,
-    8.30 against 7.94 ms, and was dropped."""
+    undo one change each (the side streams; HC pre's u block over D / 512 blocks from the Gram
+    partials; its one block of 1,024 threads with the norm from registers; that block and HC
+    post + mix with their loads issued first; the dp4a GEMVs' x limbs four threads a chunk;
+    the q_a norm inside q_b's limbs off the CSA layers; the indexer's scores by one warp
+    holding every head, and the top-k's first digit counted by it; out_a's limbs made by the
+    attention's combine; the routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of
+    the dp4a GEMV) or try a candidate (the q_a
+    norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
+    query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
+    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
+    launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
+    was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
-            "HC pre's u block of 512 threads": dict(hc_u_threads=512),
+            "HC pre's u block as one block (before the Gram partials)": dict(hc_u_gram=False),
+            "HC pre's u block of 512 threads": dict(hc_u_gram=False, hc_u_threads=512,
+                                                    hc_u_prefetch=False),
             "x limbs a thread a chunk": dict(limbs_by_words=False),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
@@ -264,10 +267,12 @@ def _decode_variants() -> dict:
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
             "the routed down on int8 tensor cores too (imma)": dict(imma_down=True),
-            "HC pre's u block with its loads first (candidate)": dict(hc_u_prefetch=True),
-            "HC post + mix with its loads first (candidate)": dict(hc_mix_prefetch=True),
-            "both HC kernels with their loads first (candidates)": dict(
-                hc_u_prefetch=True, hc_mix_prefetch=True)}
+            "HC pre's u block loading the partials first (before)": dict(
+                hc_u_gram=False, hc_u_prefetch=False),
+            "HC post + mix waiting on memory three times (before)": dict(
+                hc_u_gram=False, hc_mix_prefetch=False),
+            "both HC kernels as before their loads first": dict(
+                hc_u_gram=False, hc_u_prefetch=False, hc_mix_prefetch=False)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

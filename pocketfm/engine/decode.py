@@ -148,12 +148,19 @@ class DecodeEngine:
         # HC pre's u block: None, its own choice (V4: 1024 threads, the norm from registers);
         # 512: the block before that (two-pass norm), for bench --decode-ab
         self.hc_u_threads = None
-        # candidates: HC pre's u block loading its stream values before the mix partials
-        # (hc._hc_pre_finish_u4; the graph's kernels under ncu, H200: the u block 10.8-11.1 µs,
-        # twice a layer on the critical path, 2026-12-06 (m)), and HC post + mix with every
-        # load first (hc._hc_post_mix_split4; 6.7-7.1 µs, likewise)
-        self.hc_u_prefetch = False
-        self.hc_mix_prefetch = False
+        # HC pre's u block loading its stream values before the mix partials
+        # (hc._hc_pre_finish_u4: one wait on memory where there were two in a row) and HC
+        # post + mix with every load first (hc._hc_post_mix_split4), both twice a layer on the
+        # critical path (the graph's kernels under ncu, H200: 10.8-11.1 and 6.7-7.1 µs,
+        # 2026-12-06 (m)). H100, 30 layers, bench --decode-ab: 7.328 ms with both against
+        # 7.554 without, 7.455 / 7.437 with one (2026-12-06 (n)); False: the kernels before
+        self.hc_u_prefetch = True
+        self.hc_mix_prefetch = True
+        # HC pre's u and its norm made by D / 512 blocks instead of one, the norm's sum of
+        # squares from the streams' Gram matrix, whose partials the split mix leaves beside its
+        # own (hc._hc_mix_gram4, _hc_pre_u_gram4): the one block was ~20k cycles of one SM
+        # (ncu, H100: 12.4 µs, twice a layer, 2026-12-06 (n)); False: the one block (above)
+        self.hc_u_gram = True
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -183,7 +190,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch) set while inside, as they were
+        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram) set while inside, as
+        they were
         after it; the step is captured anew under each (an A/B of the step; an unknown name
         raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -286,7 +294,8 @@ class DecodeEngine:
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
                threads=nt, side=side, norm=(u, L.attn_norm), post_from=post_from,
                u_threads=self.hc_u_threads, u_prefetch=self.hc_u_prefetch,
-               mix_prefetch=self.hc_mix_prefetch, **sim)  # u = attn_norm(HC pre)
+               mix_prefetch=self.hc_mix_prefetch, u_gram=self.hc_u_gram,
+               **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
         if cfg.is_csa(i):  # the indexer's keys and weights, from u alone: on their own branch
@@ -413,7 +422,8 @@ class DecodeEngine:
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
                cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm),
                post_from=post_from, u_threads=self.hc_u_threads,
-               u_prefetch=self.hc_u_prefetch, mix_prefetch=self.hc_mix_prefetch, **sim)
+               u_prefetch=self.hc_u_prefetch, mix_prefetch=self.hc_mix_prefetch,
+               u_gram=self.hc_u_gram, **sim)
         moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],

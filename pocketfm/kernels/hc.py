@@ -391,9 +391,21 @@ def _hc_post_mix_split(part, X, f, X_prev, post, comb, fn, cb):
     _mix_partials(part, xs, fn, c0, cb, C, t)
 
 
+@cuda.jit(device=True)
+def _post4(pc, k, fd, x0, x1, x2, x3):
+    """Stream k of the HC post at HC = 4 from the staged coefficients pc (comb, then post),
+    in _post_column's order: the post term, then the four previous streams."""
+    v = pc[16 + k] * fd
+    v += pc[k] * x0
+    v += pc[4 + k] * x1
+    v += pc[8 + k] * x2
+    v += pc[12 + k] * x3
+    return v
+
+
 @device.kernel
 def _hc_post_mix_split4(part, X, f, X_prev, post, comb, fn, cb):
-    """A candidate for _hc_post_mix_split at HC = 4 with cb <= 32 * UNROLL columns a block and
+    """The decode's _hc_post_mix_split at HC = 4 with cb <= 32 * UNROLL columns a block and
     a warp for every mix row (V4's decode: 128 columns, 25 warps of 800 threads): the same
     arithmetic (the same bits), but every load is issued first: the warp's fn values, the
     thread's column of f and of the four previous streams, then the post coefficients. The
@@ -420,12 +432,8 @@ def _hc_post_mix_split4(part, X, f, X_prev, post, comb, fn, cb):
     _stage_post_coeffs(pc, post, comb, t)
     if tid < cb:
         v = np.float32(0.0)
-        if c0 + tid < C:  # _hc_post_mix_split's order: the post term, then the streams
-            v = pc[16 + kc] * fd
-            v += pc[kc] * x0
-            v += pc[4 + kc] * x1
-            v += pc[8 + kc] * x2
-            v += pc[12 + kc] * x3
+        if c0 + tid < C:
+            v = _post4(pc, kc, fd, x0, x1, x2, x3)
             X[t, kc, d] = v
         xs[tid] = v
     cuda.syncthreads()
@@ -591,7 +599,7 @@ XV4 = 4 * UNROLL  # a thread's stream values in _hc_pre_finish_u4: V4's HC = 4 x
 
 @device.kernel(max_registers=64)
 def _hc_pre_finish_u4(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_norm, norm_w):
-    """A candidate for _hc_pre_finish_u at HC = 4 with the norm and D <= UNROLL * blockDim
+    """The decode's _hc_pre_finish_u at HC = 4 with the norm and D <= UNROLL * blockDim
     (V4's decode), one block a token: the same arithmetic as _gather_partials, _pre_weights
     and _collapse_norm (the same bits), but the thread's X values are loaded first, before the
     partials (they need nothing the partials give: one wait on memory where there were two in
@@ -636,6 +644,128 @@ def _hc_pre_finish_u4(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_
         d = tid + k * nt
         if d < D:
             out_norm[t, d] = uk[k] * inv * wv[k]
+
+
+# ---- the u block spread over the GPU (decode, HC = 4) ----------------------------------------
+# One block making u and its norm is ~20k cycles of one SM (ncu, H100: 12.4 µs, twice a layer
+# on the critical path, 2026-12-06 (n)). u = sum_i pre_i X_i is per dim once the four pre
+# weights are known, so any block can make its dims; only the norm's sum of squares needs all
+# of u. It comes from the streams' Gram matrix G (G_ab = sum_d X_a[d] X_b[d]) instead:
+# sum_d u_d^2 = sum_ab pre_a pre_b G_ab, whose partials the split mix adds beside its own (a mix
+# block takes the same 32 dims of each stream, so it holds every product's factors).
+GRAM = 10  # G's distinct entries at HC = 4: the 4 diagonal ones, then the 6 above it
+GRAM_COLS = 32  # dims of each stream a Gram mix block takes (its 4 x 32 flattened columns)
+U_ROWS = 5 + GRAM  # partial rows the u kernel adds: the 4 pre mix rows, the sum of squares, G
+U_THREADS = 512  # the u kernel's block: a warp for each of its U_ROWS rows, a dim a thread
+
+
+@cuda.jit(device=True)
+def _gram_pair(g):
+    """Streams (a, b) of Gram entry g: (0, 0) .. (3, 3), then (0, 1), (0, 2), (0, 3), (1, 2),
+    (1, 3), (2, 3)."""
+    if g < 4:
+        return g, g
+    if g < 7:
+        return 0, g - 3
+    if g < 9:
+        return 1, g - 5
+    return 2, 3
+
+
+@device.kernel
+def _hc_mix_gram4(part, X, f, X_prev, post, comb, fn, with_post):
+    """The decode's split mix at HC = 4 for the spread u (_hc_pre_u_gram4): block (b, t) takes
+    dims [32 b, 32 b + 32) of each of the 4 streams (so D / 32 blocks), warp w < M + 1 leaves
+    its mix row's partial as _hc_post_mix_split4 does (rows r < M: fn · x; row M: the sum of
+    squares), and warp g < GRAM also the partial of Gram entry g in row M + 1 + g. With
+    ``with_post`` the block first makes its columns of X[t] = hc_post(f, X_prev, post, comb),
+    else it reads them (f, X_prev, post, comb then unused). Every load is issued before the
+    first barrier. Block: 32 (M + 1) threads (V4: 800)."""
+    xs = cuda.shared.array(MAX_CB, np.float32)
+    pc = cuda.shared.array(MAX_PC, np.float32)
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)  # (the simulator's warp_sum)
+    fv = cuda.local.array(4, np.float32)
+    b, t, splits = cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x
+    D = X.shape[2]
+    M = fn.shape[0]
+    tid = cuda.threadIdx.x
+    lane, w = tid % 32, tid // 32
+    d = b * GRAM_COLS + lane  # < D: the launcher's grid is D / 32 blocks
+    rr = min(w, M - 1)  # (row M, the sum of squares, reads no fn: its loads go unused)
+    for k in range(4):
+        fv[k] = fn[rr, k * D + d]
+    ks = min(w, 3)  # warp ks < 4 makes stream ks's 32 columns
+    if with_post:
+        fd = f[t, d]
+        x0, x1, x2, x3 = X_prev[t, 0, d], X_prev[t, 1, d], X_prev[t, 2, d], X_prev[t, 3, d]
+        _stage_post_coeffs(pc, post, comb, t)
+        if w < 4:
+            v = _post4(pc, ks, fd, x0, x1, x2, x3)
+            X[t, ks, d] = v
+            xs[tid] = v
+    elif w < 4:
+        xs[tid] = X[t, ks, d]
+    cuda.syncthreads()
+    acc = _mix_round(np.float32(0.0), xs, fv, lane, 4 * GRAM_COLS, w, M)  # xs[32 k + lane]
+    _put_partial(part, acc, scratch, lane, w, M, t, b, splits)
+    a, c = _gram_pair(min(w, GRAM - 1))
+    g = warp_sum(xs[a * GRAM_COLS + lane] * xs[c * GRAM_COLS + lane], scratch)
+    if lane == 0 and w < GRAM:
+        part[t, (M + 1 + w) * splits + b] = g
+
+
+@device.kernel
+def _hc_pre_u_gram4(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_norm, norm_w):
+    """HC pre's u and the sublayer's input norm at HC = 4 after _hc_mix_gram4, block (b, t)
+    making dims [b nt, (b + 1) nt) of token t (V4: 8 blocks of 512 threads, where one block made
+    all 4,096 dims). Its thread's stream values and norm weight are loaded first; warp w <
+    U_ROWS adds one partial row over the splits (the 4 pre mix rows, the sum of squares, the
+    10 Gram entries); then every thread makes the pre weights (_pre_weight's arithmetic),
+    sum_d u_d^2 = pre^T G pre in float64 (the norm's 1 / rms; the bits differ from a sum over u
+    by rounding, not by more: pre > 0 and the streams are not opposed in practice, so its
+    terms hardly cancel), and its dim's u and normed u."""
+    scratch = cuda.shared.array(MAX_THREADS, np.float32)  # (the simulator's warp_sum)
+    mv = cuda.shared.array(U_ROWS, np.float32)
+    vals = cuda.local.array(UNROLL, np.float32)
+    b, t = cuda.blockIdx.x, cuda.blockIdx.y
+    D = X.shape[2]
+    M = 24  # (2 + 4) * 4 mix rows
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    lane, w = tid % 32, tid // 32
+    d = min(b * nt + tid, D - 1)
+    x0, x1, x2, x3 = X[t, 0, d], X[t, 1, d], X[t, 2, d], X[t, 3, d]
+    wd = norm_w[d]
+    r = w if w < 4 else M + min(w, U_ROWS - 1) - 4  # warp 4: the squares, 5 ..: G
+    n = part.shape[1]
+    acc = np.float32(0.0)
+    for b0 in range(lane, splits, 32 * UNROLL):  # _gather_partials' order
+        for k in range(UNROLL):
+            vals[k] = part[t, min(r * splits + b0 + 32 * k, n - 1)]
+        for k in range(UNROLL):
+            if b0 + 32 * k < splits:
+                acc += vals[k]
+    acc = warp_sum(acc, scratch)
+    if lane == 0 and w < U_ROWS:
+        mv[w] = acc
+    cuda.syncthreads()
+    rinv = _rms_factor(mv[4], X, rms_eps)
+    p0 = _pre_weight(mv, 0, rinv, base, scale, hc_eps)
+    p1 = _pre_weight(mv, 1, rinv, base, scale, hc_eps)
+    p2 = _pre_weight(mv, 2, rinv, base, scale, hc_eps)
+    p3 = _pre_weight(mv, 3, rinv, base, scale, hc_eps)
+    q0, q1, q2, q3 = np.float64(p0), np.float64(p1), np.float64(p2), np.float64(p3)
+    ss = (q0 * q0 * mv[5] + q1 * q1 * mv[6] + q2 * q2 * mv[7] + q3 * q3 * mv[8]
+          + 2.0 * (q0 * (q1 * mv[9] + q2 * mv[10] + q3 * mv[11])
+                   + q1 * (q2 * mv[12] + q3 * mv[13]) + q2 * q3 * mv[14]))
+    inv = np.float32(1.0 / math.sqrt(max(ss, 0.0) / D + rms_eps))
+    u = np.float32(0.0)  # _u_values' order
+    u += p0 * x0
+    u += p1 * x1
+    u += p2 * x2
+    u += p3 * x3
+    if b * nt + tid < D:
+        out_u[t, d] = u
+        out_norm[t, d] = u * inv * wd
 
 
 @device.kernel
@@ -794,9 +924,21 @@ def _mix(dest, X, fn, rows, stream, threads, post_from=None, prefetch=False):
     return splits
 
 
+def _mix_gram(part, X, fn, stream, post_from=None) -> None:
+    """Launch _hc_mix_gram4 (HC = 4, D a multiple of GRAM_COLS): part [T, (M + 1 + GRAM) *
+    D / 32] <- the mix, squares and Gram partials of X, first made as hc_post of
+    ``post_from`` (f, X_prev, post, comb) when given."""
+    T, _, D = X.shape
+    M = fn.shape[0]
+    f, X_prev, post, comb = post_from or (part, X, part, X)  # (unread without a post)
+    _hc_mix_gram4[(D // GRAM_COLS, T), 32 * (M + 1), stream](part, X, f, X_prev, post, comb, fn,
+                                                              int(post_from is not None))
+
+
 def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters, stream=0,
            threads=None, naive=False, mix=None, side=None, norm=None, post_from=None,
-           u_threads=None, u_prefetch: bool = False, mix_prefetch: bool = False) -> None:
+           u_threads=None, u_prefetch: bool = False, mix_prefetch: bool = False,
+           u_gram: bool = False) -> None:
     """Launcher: out_u [T, D], out_post [T, HC], out_comb [T, HC, HC], X [T, HC, D], fn [M, C],
     base [M], scale [3], all float32 device arrays; out_u must not alias X.
 
@@ -818,9 +960,14 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     own launch (the decode: one launch fewer a sublayer), else an hc_post launch before.
 
     ``u_threads`` (with ``side``): the block size of _hc_pre_finish_u instead of its own choice
-    (``_u_threads``); an A/B of the decode step. Candidates that issue their loads first (with
-    ``side``, HC = 4): ``u_prefetch``, _hc_pre_finish_u4 (with ``norm``, D within one round of
-    the u block); ``mix_prefetch``, _hc_post_mix_split4 (with ``post_from``)."""
+    (``_u_threads``); an A/B of the decode step. The kernels that issue their loads first (with
+    ``side``, HC = 4; the decode engine's choice, H100: −3% a step): ``u_prefetch``,
+    _hc_pre_finish_u4 (with ``norm``, D within one round of the u block); ``mix_prefetch``,
+    _hc_post_mix_split4 (with ``post_from``). ``u_gram`` (with ``side`` and ``norm``, HC = 4,
+    D a multiple of 32; the decode engine's choice): the split mix also leaves the streams'
+    Gram partials (_hc_mix_gram4) and u with its norm is made by D / 512 blocks
+    (_hc_pre_u_gram4) instead of one; u_threads, u_prefetch and mix_prefetch then do not
+    apply."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
@@ -839,13 +986,23 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
                                           out_norm, norm_w)
         return
     if side is not None and plan is not None:
-        part = device.stream_buffer("hc_pre partials", stream, (T, (M + 1) * plan[1]),
-                                    np.float32)
-        splits = _mix(part, X, fn, M, stream, threads, post_from, mix_prefetch)
+        gram = u_gram and hc == 4 and norm is not None and D % GRAM_COLS == 0
+        if gram:
+            splits = D // GRAM_COLS
+            part = device.stream_buffer("hc_pre partials", stream,
+                                        (T, (M + 1 + GRAM) * splits), np.float32)
+            _mix_gram(part, X, fn, stream, post_from)
+        else:
+            part = device.stream_buffer("hc_pre partials", stream, (T, (M + 1) * plan[1]),
+                                        np.float32)
+            splits = _mix(part, X, fn, M, stream, threads, post_from, mix_prefetch)
         _hc_pre_finish_post[T, 128, side.fork(stream)](out_post, out_comb, X, part, base, scale,
                                                        *eps, splits)
         out_norm, norm_w = norm or (out_u, device.empty_vector(np.float32))
         args = (out_u, X, part, base, scale, *eps[:2], splits, out_norm, norm_w)
+        if gram:
+            _hc_pre_u_gram4[(cdiv(D, U_THREADS), T), U_THREADS, stream](*args)
+            return
         nt = _u_threads(args, D, u_threads or threads)
         if u_prefetch and hc == 4 and norm is not None and D <= UNROLL * nt:
             _hc_pre_finish_u4[T, nt, stream](*args)
@@ -897,7 +1054,8 @@ def hc_post(out, f, X, post, comb, stream=0, threads=None, naive=False) -> None:
 # ---- CI lane B and the H200 benchmark -----------------------------------------------------------
 # ptx_check fails a kernel over its budget: _u_threads gives the u block 1,024 threads only while
 # the kernel fits 64 registers (H100 decode step: −1.6% against 512, 2026-12-05 (i))
-REGISTER_BUDGETS = {_hc_pre_finish_u: (64, "hc._u_threads: 1,024 threads a block")}
+REGISTER_BUDGETS = {_hc_pre_finish_u: (64, "hc._u_threads: 1,024 threads a block"),
+                    _hc_mix_gram4: (80, "hc._mix_gram: 32 (M + 1) = 800 threads a block")}
 _F1, _F2, _F3 = "float32[::1]", "float32[:, ::1]", "float32[:, :, ::1]"
 _PRE_OUT = f"{_F2}, {_F2}, {_F3}"
 PTX_SIGNATURES = [
@@ -916,6 +1074,9 @@ PTX_SIGNATURES = [
     (_hc_pre_finish_u,
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_hc_pre_finish_u4,
+     f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
+    (_hc_mix_gram4, f"void({_F2}, {_F3}, {_F2}, {_F3}, {_F2}, {_F3}, {_F2}, int64)"),
+    (_hc_pre_u_gram4,
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_hc_pre_finish_post,
      f"void({_F2}, {_F3}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, int64)"),
@@ -990,16 +1151,22 @@ def bench_cases(stream):
                                         np.float32(1e-6), splits, u,
                                         device.empty_vector(np.float32))
 
-    def post_then_pre():  # the decode's sublayer boundary: the last post inside the next mix
+    def post_then_pre(**how):  # the decode's sublayer boundary: the last post inside the mix
         hc_pre(u, post, comb, Xn, fn, base, scale, 1e-6, 1e-6, 20, stream, side=side,
-               post_from=(f, X, post, comb))
+               post_from=(f, X, post, comb), norm=(un, w), **how)
         side.join(stream)
+
+    un, w = dev(np.zeros((T, D))), dev(rng.uniform(0.5, 2, D))
 
     cases = [BenchCase("hc", "hc_pre T=1 side stream (post + Sinkhorn beside u), joined",
                        pre_side, bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T),
-             BenchCase("hc", "hc_pre T=1 side stream, the previous hc_post in its mix launch",
-                       post_then_pre, bytes=M * C * 4 + 3 * x_bytes + 2 * T * D * 4,
-                       flops=2 * M * C * T + 2 * (hc + 1) * C * T),
+             *[BenchCase("hc", f"hc_pre T=1 side stream, the previous hc_post in its mix "
+                         f"launch, the norm, {name}",
+                         lambda how=how: post_then_pre(**how),
+                         bytes=M * C * 4 + 3 * x_bytes + 4 * T * D * 4,
+                         flops=2 * M * C * T + 2 * (hc + 1) * C * T)
+               for name, how in (("u by one block", dict(u_prefetch=True, mix_prefetch=True)),
+                                 ("u spread (Gram partials)", dict(u_gram=True)))],
              BenchCase("hc", "hc_pre T=1 main-stream part only (mix + u)", u_path,
                        bytes=M * C * 4 + x_bytes + T * D * 4, flops=2 * M * C * T)]
     for naive in (False, True):

@@ -100,9 +100,9 @@ def test_hc_pre_with_the_input_norm(path, D):
 @pytest.mark.parametrize("HC,prefetch", [(4, False), (4, True), (3, False)])
 def test_the_u_blocks_norm_has_norm_rows_bits(HC, prefetch):
     """The side path's u block takes the norm from u in registers (_collapse_norm; with
-    ``u_prefetch`` at HC = 4 the candidate _hc_pre_finish_u4, its loads issued before the
-    partials): the same bits as an RMSNorm launch over the u it wrote, and u within 1e-4 of
-    the reference."""
+    ``u_prefetch`` at HC = 4 the decode engine's _hc_pre_finish_u4, its loads issued before
+    the partials): the same bits as an RMSNorm launch over the u it wrote, and u within 1e-4
+    of the reference."""
     from pocketfm.kernels import device
     from pocketfm.kernels.norm_rope import rmsnorm
 
@@ -157,8 +157,8 @@ def test_hc_pre_after_the_previous_post(path):
 
 
 def test_post_mix_with_its_loads_first_has_the_same_bits():
-    """``mix_prefetch``: the candidate _hc_post_mix_split4 (every load issued before the post
-    coefficients' barrier) writes the same X and the same mix partials, bit for bit, as
+    """``mix_prefetch``: the decode engine's _hc_post_mix_split4 (every load issued before the
+    post coefficients' barrier) writes the same X and the same mix partials, bit for bit, as
     _hc_post_mix_split, at the decode's own block (800 threads: a warp a mix row); the
     partials buffer is compared whole, so u, post and comb follow."""
     from pocketfm.kernels import device
@@ -180,6 +180,63 @@ def test_post_mix_with_its_loads_first_has_the_same_bits():
     assert rel_err(out[True][0], ref_X) <= 1e-5
     assert np.array_equal(out[True][0], out[False][0])
     assert np.array_equal(out[True][1], out[False][1])
+
+
+@pytest.mark.parametrize("T,D,after_post", [(2, 96, False), (1, 544, True)])
+def test_the_spread_u_block_from_the_gram_partials(T, D, after_post):
+    """``u_gram``: the split mix also leaves the streams' Gram partials (_hc_mix_gram4) and u
+    with its input norm comes from D / 512 blocks (_hc_pre_u_gram4), the norm's sum of squares
+    as pre^T G pre: u, the norm, post and comb within 1e-4 of the reference, with and without
+    the previous sublayer's post made in the mix (D = 544: two u blocks, the second short)."""
+    from pocketfm.kernels import device
+
+    rng = fresh_rng()
+    HC = 4
+    M = (2 + HC) * HC
+    X0, fn, base, scale = _inputs(rng, T, HC, D, M, 3)
+    w = rng.standard_normal(D).astype(np.float32)
+    post_from = None
+    if after_post:
+        f, post0, comb0 = _post_inputs(rng, T, HC, D)
+        ref_X = np.empty((T, HC, D))
+        hc.hc_post_ref(ref_X, *_f64(f, X0, post0, comb0))
+        X, post, comb = poisoned((T, HC, D)), cuda.to_device(post0), cuda.to_device(comb0)
+        post_from = (cuda.to_device(f), cuda.to_device(X0), post, comb)
+    else:
+        ref_X, X = X0.astype(np.float64), cuda.to_device(X0)
+        post, comb = poisoned((T, HC)), poisoned((T, HC, HC))
+    ref_u, ref_post, ref_comb = np.empty((T, D)), np.empty((T, HC)), np.empty((T, HC, HC))
+    hc.hc_pre_ref(ref_u, ref_post, ref_comb, ref_X, *_f64(fn, base, scale), 1e-6, 1e-6, 20)
+    ref_n = ref_u / np.sqrt((ref_u ** 2).mean(1, keepdims=True) + 1e-6) * w
+    u, un = poisoned((T, D)), poisoned((T, D))
+    side = device.SideStream()
+    hc.hc_pre(u, post, comb, X, *map(cuda.to_device, (fn, base, scale)), 1e-6, 1e-6, 20,
+              side=side, norm=(un, cuda.to_device(w)), post_from=post_from, u_gram=True)
+    side.join(0)
+    assert rel_err(X.copy_to_host(), ref_X) <= 1e-5
+    assert rel_err(u.copy_to_host(), ref_u) <= 1e-4
+    assert rel_err(un.copy_to_host(), ref_n) <= 1e-4
+    assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
+    assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
+def test_the_gram_mix_leaves_the_streams_gram_partials():
+    """_hc_mix_gram4's partials summed over its blocks: the mix rows, the sum of squares and
+    the 10 Gram entries of X[t] (diagonal first, then (0,1) (0,2) (0,3) (1,2) (1,3) (2,3))."""
+    rng = fresh_rng()
+    T, HC, D = 2, 4, 64
+    M = (2 + HC) * HC
+    X, fn, _, _ = _inputs(rng, T, HC, D, M, 3)
+    splits = D // hc.GRAM_COLS
+    part = poisoned((T, (M + 1 + hc.GRAM) * splits))
+    hc._mix_gram(part, cuda.to_device(X), cuda.to_device(fn), 0)
+    got = part.copy_to_host().reshape(T, M + 1 + hc.GRAM, splits).sum(2)
+    x = X.astype(np.float64)
+    pairs = [(0, 0), (1, 1), (2, 2), (3, 3), (0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    want = np.concatenate([x.reshape(T, -1) @ fn.T.astype(np.float64),
+                           (x ** 2).sum((1, 2))[:, None],
+                           np.stack([(x[:, a] * x[:, b]).sum(1) for a, b in pairs], 1)], 1)
+    assert rel_err(got, want) <= 1e-5
 
 
 @pytest.mark.parametrize("T,HC,D", [(3, 4, 64), (21, 4, 40), (6, 3, 24)])
