@@ -337,8 +337,9 @@ def inspect(path, all_keys):
                    "Q8_0 GEMMs in 64-token tiles), in turn, twice: an A/B in one process.")
 @click.option("--decode-ab", is_flag=True,
               help="Then time the decode steps again under variants that each undo one landed "
-                   "change (one stream instead of the side-stream branches; HC pre's u block of "
-                   "512 threads; HC pre's u block, HC post + mix, without their loads first; "
+                   "change (one stream instead of the side-stream branches; HC pre's u block "
+                   "as one block instead of 8; the MoE's combine as its own launch; the one u "
+                   "block of 512 threads; it and HC post + mix without their loads first; "
                    "x limbs a thread a chunk; the q_a norm as its own launch; the indexer's "
                    "scores a warp per 16 heads; the top-k counting its first digit; out_a's "
                    "limbs as their own launch; the routed gate+up on dp4a instead of the int8 "

@@ -242,12 +242,12 @@ def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> d
 def _decode_variants() -> dict:
     """What ``bench --decode-ab`` times against the step as landed: DecodeEngine settings that
     undo one change each (the side streams; HC pre's u block over D / 512 blocks from the Gram
-    partials; its one block of 1,024 threads with the norm from registers; that block and HC
-    post + mix with their loads issued first; the dp4a GEMVs' x limbs four threads a chunk;
-    the q_a norm inside q_b's limbs off the CSA layers; the indexer's scores by one warp
-    holding every head, and the top-k's first digit counted by it; out_a's limbs made by the
-    attention's combine; the routed gate+up on imma_iq2_xxs.py's int8 tensor cores instead of
-    the dp4a GEMV) or try a candidate (the q_a
+    partials; the MoE's output added up by the next Gram mix; the u block's one block of 1,024
+    threads with the norm from registers; that block and HC post + mix with their loads issued
+    first; the dp4a GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's limbs off the
+    CSA layers; the indexer's scores by one warp holding every head, and the top-k's first digit
+    counted by it; out_a's limbs made by the attention's combine; the routed gate+up on
+    imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV) or try a candidate (the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
@@ -257,6 +257,7 @@ def _decode_variants() -> dict:
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
             "HC pre's u block as one block (before the Gram partials)": dict(hc_u_gram=False),
+            "the MoE's combine as its own launch": dict(moe_parts=False),
             "HC pre's u block of 512 threads": dict(hc_u_gram=False, hc_u_threads=512,
                                                     hc_u_prefetch=False),
             "x limbs a thread a chunk": dict(limbs_by_words=False),

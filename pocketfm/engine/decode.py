@@ -42,7 +42,7 @@ from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
                             simulator_prefers_rows, takes_limbs)
-from ..kernels.hc import hc_head, hc_post, hc_pre
+from ..kernels.hc import gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
@@ -153,7 +153,8 @@ class DecodeEngine:
         # post + mix with every load first (hc._hc_post_mix_split4), both twice a layer on the
         # critical path (the graph's kernels under ncu, H200: 10.8-11.1 and 6.7-7.1 µs,
         # 2026-12-06 (m)). H100, 30 layers, bench --decode-ab: 7.328 ms with both against
-        # 7.554 without, 7.455 / 7.437 with one (2026-12-06 (n)); False: the kernels before
+        # 7.554 without, 7.455 / 7.437 with one (2026-12-06 (n)); False: the kernels before.
+        # (Both apply where hc_u_gram does not: the u block's one-block path.)
         self.hc_u_prefetch = True
         self.hc_mix_prefetch = True
         # HC pre's u and its norm made by D / 512 blocks instead of one, the norm's sum of
@@ -161,6 +162,11 @@ class DecodeEngine:
         # own (hc._hc_mix_gram4, _hc_pre_u_gram4): the one block was ~20k cycles of one SM
         # (ncu, H100: 12.4 µs, twice a layer, 2026-12-06 (n)); False: the one block (above)
         self.hc_u_gram = True
+        # the MoE's output left in parts (the routed rows and the shared one) for the next
+        # layer's Gram mix to add as it makes the HC post: no combine launch on the path
+        # (moe_layer without out), where the next HC pre takes the Gram path; the same sums in
+        # the same order. H100, 30 layers, --decode-ab: 7.231 against 7.301 ms (2026-12-06 (n))
+        self.moe_parts = True
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -190,8 +196,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram) set while inside, as
-        they were
+        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts) set while
+        inside, as they were
         after it; the step is captured anew under each (an A/B of the step; an unknown name
         raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -424,7 +430,11 @@ class DecodeEngine:
                post_from=post_from, u_threads=self.hc_u_threads,
                u_prefetch=self.hc_u_prefetch, mix_prefetch=self.hc_mix_prefetch,
                u_gram=self.hc_u_gram, **sim)
-        moe_layer(self.f, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
+        # the output in parts where the next layer's HC pre adds them (not before the head)
+        parts = (self.moe_parts and i + 1 < cfg.n_layers and L.shared_gate_up is not None
+                 and gram_path(X, side, self.u_norm, self.hc_u_gram, **sim))
+        out = None if parts else self.f
+        moe_layer(out, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
@@ -432,7 +442,8 @@ class DecodeEngine:
                   imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
-        return self.f, X, self.post, self.comb  # made by the next HC pre (or before the head)
+        f = self.moe.parts if parts else self.f
+        return f, X, self.post, self.comb  # made by the next HC pre (or before the head)
 
     # ---- a sequence -----------------------------------------------------------------------------
     def start(self, prompt: list[int], uniforms: np.ndarray | None = None) -> None:

@@ -407,7 +407,8 @@ def _post4(pc, k, fd, x0, x1, x2, x3):
 def _hc_post_mix_split4(part, X, f, X_prev, post, comb, fn, cb):
     """The decode's _hc_post_mix_split at HC = 4 with cb <= 32 * UNROLL columns a block and
     a warp for every mix row (V4's decode: 128 columns, 25 warps of 800 threads): the same
-    arithmetic (the same bits), but every load is issued first: the warp's fn values, the
+    arithmetic (the same bits in the simulator; on the GPU ~1e-5 apart in the logits, the
+    multiply-adds fused otherwise), but every load is issued first: the warp's fn values, the
     thread's column of f and of the four previous streams, then the post coefficients. The
     block then waits on memory once, where _hc_post_mix_split waits three times in a row (the
     coefficients, the previous streams after their barrier, fn after the next one)."""
@@ -657,6 +658,7 @@ GRAM = 10  # G's distinct entries at HC = 4: the 4 diagonal ones, then the 6 abo
 GRAM_COLS = 32  # dims of each stream a Gram mix block takes (its 4 x 32 flattened columns)
 U_ROWS = 5 + GRAM  # partial rows the u kernel adds: the 4 pre mix rows, the sum of squares, G
 U_THREADS = 512  # the u kernel's block: a warp for each of its U_ROWS rows, a dim a thread
+MAX_PARTS = 8  # rows of f in parts the Gram mix adds (V4's MoE: 6 routed experts + shared)
 
 
 @cuda.jit(device=True)
@@ -672,6 +674,25 @@ def _gram_pair(g):
     return 2, 3
 
 
+@cuda.jit(device=True)
+def _f_from_parts(f, t, d):
+    """f[t, P - 1, d] + f[t, 0, d] + ... + f[t, P - 2, d] (P <= MAX_PARTS): the sublayer output
+    from its parts in moe.combine's order (the shared expert's row last in f, first in the
+    sum), the P loads issued together; P = 1: f[t, 0, d]."""
+    P = f.shape[1]
+    fv = cuda.local.array(MAX_PARTS, np.float32)
+    for p in range(MAX_PARTS):
+        fv[p] = f[t, min(p, P - 1), d]
+    acc = fv[0]
+    for p in range(1, MAX_PARTS):  # (literal indices: fv stays in registers)
+        if p == P - 1:
+            acc = fv[p]
+    for p in range(MAX_PARTS - 1):
+        if p < P - 1:
+            acc += fv[p]
+    return acc
+
+
 @device.kernel
 def _hc_mix_gram4(part, X, f, X_prev, post, comb, fn, with_post):
     """The decode's split mix at HC = 4 for the spread u (_hc_pre_u_gram4): block (b, t) takes
@@ -680,7 +701,8 @@ def _hc_mix_gram4(part, X, f, X_prev, post, comb, fn, with_post):
     squares), and warp g < GRAM also the partial of Gram entry g in row M + 1 + g. With
     ``with_post`` the block first makes its columns of X[t] = hc_post(f, X_prev, post, comb),
     else it reads them (f, X_prev, post, comb then unused). Every load is issued before the
-    first barrier. Block: 32 (M + 1) threads (V4: 800)."""
+    first barrier. f [T, P, D]: the sublayer's output in P parts (_f_from_parts; P = 1: whole).
+    Block: 32 (M + 1) threads (V4: 800)."""
     xs = cuda.shared.array(MAX_CB, np.float32)
     pc = cuda.shared.array(MAX_PC, np.float32)
     scratch = cuda.shared.array(MAX_THREADS, np.float32)  # (the simulator's warp_sum)
@@ -696,7 +718,7 @@ def _hc_mix_gram4(part, X, f, X_prev, post, comb, fn, with_post):
         fv[k] = fn[rr, k * D + d]
     ks = min(w, 3)  # warp ks < 4 makes stream ks's 32 columns
     if with_post:
-        fd = f[t, d]
+        fd = _f_from_parts(f, t, d)
         x0, x1, x2, x3 = X_prev[t, 0, d], X_prev[t, 1, d], X_prev[t, 2, d], X_prev[t, 3, d]
         _stage_post_coeffs(pc, post, comb, t)
         if w < 4:
@@ -924,13 +946,24 @@ def _mix(dest, X, fn, rows, stream, threads, post_from=None, prefetch=False):
     return splits
 
 
+def gram_path(X, side, norm, u_gram: bool, naive: bool = False, mix=None) -> bool:
+    """Whether hc_pre on streams X [T, HC, D] with these arguments takes the Gram path
+    (_hc_mix_gram4, _hc_pre_u_gram4), where post_from's f may come in parts."""
+    T, hc, D = X.shape
+    return bool(u_gram and side is not None and norm is not None and not naive and mix is None
+                and hc == 4 and D % GRAM_COLS == 0
+                and _split_plan(D, hc, (2 + hc) * hc) is not None)
+
+
 def _mix_gram(part, X, fn, stream, post_from=None) -> None:
     """Launch _hc_mix_gram4 (HC = 4, D a multiple of GRAM_COLS): part [T, (M + 1 + GRAM) *
     D / 32] <- the mix, squares and Gram partials of X, first made as hc_post of
-    ``post_from`` (f, X_prev, post, comb) when given."""
+    ``post_from`` (f, X_prev, post, comb) when given; f [T, D], or [T, P, D] in parts."""
     T, _, D = X.shape
     M = fn.shape[0]
-    f, X_prev, post, comb = post_from or (part, X, part, X)  # (unread without a post)
+    f, X_prev, post, comb = post_from or (X, X, part, X)  # (unread without a post)
+    if f.ndim == 2:  # whole: one part
+        f = f.reshape(T, 1, D)
     _hc_mix_gram4[(D // GRAM_COLS, T), 32 * (M + 1), stream](part, X, f, X_prev, post, comb, fn,
                                                               int(post_from is not None))
 
@@ -967,13 +1000,18 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     D a multiple of 32; the decode engine's choice): the split mix also leaves the streams'
     Gram partials (_hc_mix_gram4) and u with its norm is made by D / 512 blocks
     (_hc_pre_u_gram4) instead of one; u_threads, u_prefetch and mix_prefetch then do not
-    apply."""
+    apply. On that path (``gram_path``) post_from's f may also be [T, P, D], the sublayer's
+    output in P parts (moe_layer without ``out``), added by the mix."""
     T, hc, D = X.shape
     M = fn.shape[0]
     assert hc <= MAX_HC and M == (2 + hc) * hc
     eps = (np.float32(rms_eps), np.float32(hc_eps), int(iters))
     nf = _finish_threads(D, threads)
     plan = None if naive else _split_plan(D, hc, M)
+    gram = gram_path(X, side, norm, u_gram, naive, mix)
+    if post_from is not None and post_from[0].ndim == 3 and not gram:
+        raise ValueError("hc_pre: post_from's f in parts [T, P, D] needs the Gram path "
+                         "(gram_path)")
     if post_from is not None and (side is None or plan is None or mix is not None):
         hc_post(X, *post_from, stream, threads, naive=naive)
         post_from = None
@@ -986,7 +1024,6 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
                                           out_norm, norm_w)
         return
     if side is not None and plan is not None:
-        gram = u_gram and hc == 4 and norm is not None and D % GRAM_COLS == 0
         if gram:
             splits = D // GRAM_COLS
             part = device.stream_buffer("hc_pre partials", stream,
@@ -1075,7 +1112,7 @@ PTX_SIGNATURES = [
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_hc_pre_finish_u4,
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
-    (_hc_mix_gram4, f"void({_F2}, {_F3}, {_F2}, {_F3}, {_F2}, {_F3}, {_F2}, int64)"),
+    (_hc_mix_gram4, f"void({_F2}, {_F3}, {_F3}, {_F3}, {_F2}, {_F3}, {_F2}, int64)"),
     (_hc_pre_u_gram4,
      f"void({_F2}, {_F3}, {_F2}, {_F1}, {_F1}, float32, float32, int64, {_F2}, {_F1})"),
     (_hc_pre_finish_post,

@@ -429,6 +429,9 @@ class MoEScratch:
         self.routed = {n: getattr(self, n)[:k] for n in ("gate", "up", "gate_up", "h", "down")}
         self.shared = {n: getattr(self, n)[k:] for n in ("gate", "up", "gate_up", "h", "down")}
         self.down_r3 = self.routed["down"].reshape(1, k, D)  # [1, k, D] for combine_chunk
+        # [1, k + 1, D]: the routed rows, then the shared row: the sublayer's output in parts
+        # (moe_layer without ``out``), summed by their reader in combine's order
+        self.parts = self.down.reshape(1, k + 1, D)
 
     @classmethod
     def allocate(cls, D: int, F: int, E: int, k: int, stream=0) -> "MoEScratch":
@@ -476,10 +479,13 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     ``side_x`` alike); ``imma_down``: the routed down on imma_q2_k's kernel where it takes the
     weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable.
     Which launches depends on the weight types (module docstring); the fusions change no bit
-    of the result.
+    of the result. ``out`` None (with a shared expert): no combine launch; the output is left
+    in parts, ``scratch.parts`` [1, k + 1, D], for a reader that adds them in combine's order
+    (the shared row, then the routed ones: hc's Gram mix, which makes the next HC post).
     """
     sc, F = scratch, scratch.F
     fused, has_shared = up_exps is None, shared_gate is not None
+    assert out is not None or has_shared, "the output in parts needs the shared expert's row"
     assert not (fused and has_shared and shared_up is not None), "fuse both or neither"
     R, S = sc.routed, sc.shared
     g, u, col = ("gate_up", "gate_up", F) if fused else ("gate", "up", 0)
@@ -535,7 +541,8 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
                      imma_down)
     if has_shared and side is not None:
         side.join(stream)
-    combine_chunk(out, sc.down_r3, S["down"] if has_shared else sc.zero, stream, threads)
+    if out is not None:
+        combine_chunk(out, sc.down_r3, S["down"] if has_shared else sc.zero, stream, threads)
 
 
 # ---- benchmarks (H200, V4-Flash shapes) ---------------------------------------------------

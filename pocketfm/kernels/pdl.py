@@ -14,7 +14,10 @@ How pocketfm uses it (``device.kernel`` applies it to every kernel when ``ENABLE
   A -> B -> C also orders C after A (C waits for B, which waited for A);
 - no kernel triggers its successor early (``griddepcontrol.launch_dependents`` at the top of
   every kernel measured 4% slower on the H200; not investigated, a likely cause is the
-  successor's blocks parked at their wait on SMs), so the trigger is each block's exit;
+  successor's blocks parked at their wait on SMs; at the top of only the four small kernels
+  before the dense GEMVs, whose first weight loads then went out before their wait, 1.4%
+  slower on the H100, and those loads before the wait without the early trigger 0.9%
+  slower, BENCHMARKS 2026-12-06 (n)), so the trigger is each block's exit;
 - their launches carry the serialization attribute (``install`` wraps numba's launch
   function, ``marked`` each of these kernels; numba's own kernels and cooperative launches
   keep numba's path). ``USE_ATTRIBUTE = False`` launches the same kernels plainly (the wait

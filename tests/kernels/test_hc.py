@@ -182,12 +182,15 @@ def test_post_mix_with_its_loads_first_has_the_same_bits():
     assert np.array_equal(out[True][1], out[False][1])
 
 
-@pytest.mark.parametrize("T,D,after_post", [(2, 96, False), (1, 544, True)])
+@pytest.mark.parametrize("T,D,after_post", [(2, 96, None), (1, 544, "whole"), (2, 64, 7),
+                                             (1, 64, 8)])
 def test_the_spread_u_block_from_the_gram_partials(T, D, after_post):
     """``u_gram``: the split mix also leaves the streams' Gram partials (_hc_mix_gram4) and u
     with its input norm comes from D / 512 blocks (_hc_pre_u_gram4), the norm's sum of squares
     as pre^T G pre: u, the norm, post and comb within 1e-4 of the reference, with and without
-    the previous sublayer's post made in the mix (D = 544: two u blocks, the second short)."""
+    the previous sublayer's post made in the mix (D = 544: two u blocks, the second short),
+    its f whole or in 7 / 8 parts (the MoE's 6 routed rows and the shared one: the mix adds
+    them, the shared row first, as moe.combine does)."""
     from pocketfm.kernels import device
 
     rng = fresh_rng()
@@ -198,10 +201,16 @@ def test_the_spread_u_block_from_the_gram_partials(T, D, after_post):
     post_from = None
     if after_post:
         f, post0, comb0 = _post_inputs(rng, T, HC, D)
+        fd = f
+        if after_post != "whole":  # in parts: the routed rows, then the shared one
+            fd = rng.standard_normal((T, after_post, D)).astype(np.float32)
+            f = fd[:, -1].copy()
+            for j in range(after_post - 1):
+                f += fd[:, j]
         ref_X = np.empty((T, HC, D))
         hc.hc_post_ref(ref_X, *_f64(f, X0, post0, comb0))
         X, post, comb = poisoned((T, HC, D)), cuda.to_device(post0), cuda.to_device(comb0)
-        post_from = (cuda.to_device(f), cuda.to_device(X0), post, comb)
+        post_from = (cuda.to_device(fd), cuda.to_device(X0), post, comb)
     else:
         ref_X, X = X0.astype(np.float64), cuda.to_device(X0)
         post, comb = poisoned((T, HC)), poisoned((T, HC, HC))
@@ -218,6 +227,18 @@ def test_the_spread_u_block_from_the_gram_partials(T, D, after_post):
     assert rel_err(un.copy_to_host(), ref_n) <= 1e-4
     assert rel_err(post.copy_to_host(), ref_post) <= 1e-4
     assert rel_err(comb.copy_to_host(), ref_comb) <= 1e-4
+
+
+def test_hc_pre_refuses_f_in_parts_off_the_gram_path():
+    rng = fresh_rng()
+    T, HC, D = 1, 4, 64
+    X, fn, base, scale = _inputs(rng, T, HC, D, (2 + HC) * HC, 3)
+    f, post, comb = map(cuda.to_device, _post_inputs(rng, T, HC, D))
+    u, un = poisoned((T, D)), poisoned((T, D))
+    with pytest.raises(ValueError, match="in parts"):
+        hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+                  norm=(un, cuda.to_device(np.ones(D, np.float32))),
+                  post_from=(poisoned((T, 7, D)), cuda.to_device(X), post, comb))
 
 
 def test_the_gram_mix_leaves_the_streams_gram_partials():

@@ -230,7 +230,8 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
             d = dict(d, gate_exps=fused["gate_exps"], up_exps=None)
             if d["shared_gate"] is not None:
                 d.update(shared_gate=fused["shared_gate"], shared_up=None)
-        out = poisoned((1, D))
+        parts = step.get("parts")  # no combine: the output left in scratch.parts
+        out = None if parts else poisoned((1, D))
         side = SideStream() if step.get("side") else None
         side_x = SideStream() if step.get("side_x") else None
         moe.moe_layer(out, d_x, bias=d_bias, tid2eid=d_tid2eid, token=d_token, scratch=scratch,
@@ -241,7 +242,14 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
                           tid2eid=tid2eid, token=token, **h, **layer)
-        outs.append(out.copy_to_host())
+        if parts:  # summed in combine's order: the shared row, then the routed ones
+            rows = scratch.parts.copy_to_host()[0]
+            got = rows[k].copy()
+            for j in range(k):
+                got += rows[j]
+            outs.append(got[None])
+        else:
+            outs.append(out.copy_to_host())
         assert rel_err(outs[-1], ref) <= tol, step
     return outs
 
@@ -249,12 +257,14 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
 def test_moe_layer_matches_ref_q8_0():
     """ds4's types for the small matrices: F16 router, Q8_0 experts. Clamp 1 bites (the
     projections have std ~2.4); equal clamps take the single SwiGLU launch over k + 1 rows, and
-    with a side stream the shared expert's own chain (concurrent on a GPU)."""
+    with a side stream the shared expert's own chain (concurrent on a GPU); without ``out``
+    the output left in parts (no combine launch), summed here."""
     rng = fresh_rng()
     D, F, E, k = 64, 32, 8, 2
     _check_moe_layer(rng, _weights(rng, D, F, E), D, F, E, k,
                      [dict(clamp=1.0, clamp_shared=1.0),
-                      dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True)])
+                      dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True),
+                      dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True, parts=True)])
 
 
 def test_moe_layer_hash_two_steps_split_clamps_f32():
