@@ -250,7 +250,8 @@ def _decode_variants() -> dict:
     imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV) or try a candidate (the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
-    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
+    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l); the routing in the router
+    GEMV's last block, not yet measured). HC pre's mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
     was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
@@ -268,6 +269,7 @@ def _decode_variants() -> dict:
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
             "the routed down on int8 tensor cores too (imma)": dict(imma_down=True),
+            "the routing in the router GEMV's launch (candidate)": dict(route_in_router=True),
             "HC pre's u block loading the partials first (before)": dict(
                 hc_u_gram=False, hc_u_prefetch=False),
             "HC post + mix waiting on memory three times (before)": dict(

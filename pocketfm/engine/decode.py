@@ -167,6 +167,10 @@ class DecodeEngine:
         # (moe_layer without out), where the next HC pre takes the Gram path; the same sums in
         # the same order. H100, 30 layers, --decode-ab: 7.231 against 7.301 ms (2026-12-06 (n))
         self.moe_parts = True
+        # candidate: the router GEMV and the routing in one launch, the routing in its last
+        # block (moe.router_route): the routing's launch was ~6.6 µs of ramp for ~3 µs of work
+        # (H200, 2026-12-06 (m)); not yet measured
+        self.route_in_router = False
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -196,8 +200,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts) set while
-        inside, as they were
+        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
+        route_in_router) set while inside, as they were
         after it; the step is captured anew under each (an A/B of the step; an unknown name
         raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -439,7 +443,8 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down,
+                  route_in_router=self.route_in_router)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
         f = self.moe.parts if parts else self.f
