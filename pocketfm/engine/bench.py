@@ -251,7 +251,8 @@ def _decode_variants() -> dict:
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l); the routing in the router
-    GEMV's last block, not yet measured). HC pre's mix and u in one
+    GEMV's last block, and the q_a norm with q_b's limbs in q_a's, not yet measured). HC pre's
+    mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
     was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
@@ -270,6 +271,9 @@ def _decode_variants() -> dict:
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
             "the routed down on int8 tensor cores too (imma)": dict(imma_down=True),
             "the routing in the router GEMV's launch (candidate)": dict(route_in_router=True),
+            "q_a, its norm and q_b's limbs in one launch (candidate)": dict(
+                q_a_in_one_launch=True),
+            "both one-launch candidates": dict(route_in_router=True, q_a_in_one_launch=True),
             "HC pre's u block loading the partials first (before)": dict(
                 hc_u_gram=False, hc_u_prefetch=False),
             "HC post + mix waiting on memory three times (before)": dict(
