@@ -43,7 +43,7 @@ from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, gemv_q8_0_norm_limbs, limbs_kernel,
                             q8_0_limbs, simulator_prefers_rows, takes_limbs,
                             takes_norm_limbs_gemv)
-from ..kernels.hc import gram_path, hc_head, hc_post, hc_pre
+from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
@@ -448,6 +448,7 @@ class DecodeEngine:
                u_gram=self.hc_u_gram, **sim)
         # the output in parts where the next layer's HC pre adds them (not before the head)
         parts = (self.moe_parts and i + 1 < cfg.n_layers and L.shared_gate_up is not None
+                 and self.moe.k + 1 <= MAX_PARTS
                  and gram_path(X, side, self.u_norm, self.hc_u_gram, **sim))
         out = None if parts else self.f
         moe_layer(out, self.u_norm, L.router, L.bias, L.tid2eid, self.token,

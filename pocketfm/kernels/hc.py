@@ -1012,6 +1012,9 @@ def hc_pre(out_u, out_post, out_comb, X, fn, base, scale, rms_eps, hc_eps, iters
     if post_from is not None and post_from[0].ndim == 3 and not gram:
         raise ValueError("hc_pre: post_from's f in parts [T, P, D] needs the Gram path "
                          "(gram_path)")
+    if post_from is not None and post_from[0].ndim == 3 and post_from[0].shape[1] > MAX_PARTS:
+        raise ValueError(f"hc_pre: post_from's f in {post_from[0].shape[1]} parts, at most "
+                         f"{MAX_PARTS}")
     if post_from is not None and (side is None or plan is None or mix is not None):
         hc_post(X, *post_from, stream, threads, naive=naive)
         post_from = None

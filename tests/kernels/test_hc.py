@@ -239,6 +239,12 @@ def test_hc_pre_refuses_f_in_parts_off_the_gram_path():
         hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
                   norm=(un, cuda.to_device(np.ones(D, np.float32))),
                   post_from=(poisoned((T, 7, D)), cuda.to_device(X), post, comb))
+    from pocketfm.kernels import device  # more parts than the mix adds: refused, not dropped
+
+    with pytest.raises(ValueError, match=f"9 parts, at most {hc.MAX_PARTS}"):
+        hc.hc_pre(u, post, comb, *map(cuda.to_device, (X, fn, base, scale)), 1e-6, 1e-6, 20,
+                  norm=(un, cuda.to_device(np.ones(D, np.float32))), side=device.SideStream(),
+                  u_gram=True, post_from=(poisoned((T, 9, D)), cuda.to_device(X), post, comb))
 
 
 def test_the_gram_mix_leaves_the_streams_gram_partials():
