@@ -19,7 +19,12 @@ workspace, ``_hc_pre_finish_u`` makes u on the main stream and ``_hc_pre_finish_
 and the Sinkhorn comb beside it, off the path to the sublayer (hc_post is their only reader);
 with ``norm=`` the u block also writes the sublayer's input RMSNorm (one launch fewer), from
 u still in its registers where the block covers D in one round (V4: 1,024 threads; H100,
-2026-12-05: −1.6% a decode step against the 512-thread block that read u back).
+2026-12-05: −1.6% a decode step against the 512-thread block that read u back). The engine
+now takes the Gram path there instead (``u_gram``, HC = 4): the split mix (_hc_mix_gram4) also
+leaves the partials of the streams' Gram matrix, and u with its norm is made by D / 512
+blocks (_hc_pre_u_gram4), the norm's sum of squares as preᵀ G pre (H100: the u block 12.4 →
+5.2 µs, 2026-12-06 (n)); there the previous sublayer's output may come in parts (the MoE's
+routed rows and shared row, added by the mix).
 
 A prefill chunk passes a ``mix`` workspace instead: the mix is then ``_hc_mix_chunk``, a
 GEMM over the chunk's tokens on the CUDA cores (its N, the 24 mix rows, is too narrow for the

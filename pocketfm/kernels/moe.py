@@ -27,7 +27,8 @@ a low-bit GEMV is two launches: its x preparation, then the dp4a kernel, or with
 imma_q2_k.py)::
 
     main:   router gemv -> route -> join x -> gate/up -> SwiGLU x slots (Q2_K) -> down
-            -> join -> combine
+            -> join -> combine (the engine: no combine; the next layer's HC mix adds the
+            parts, moe_layer without ``out``)
     side_x: x slots (IQ2_XXS: the routed gate/up's x, needing x alone)
     side:   shared gate/up -> swiglu -> shared down
 
