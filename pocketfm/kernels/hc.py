@@ -448,23 +448,30 @@ def _hc_post_mix_split4(part, X, f, X_prev, post, comb, fn, cb):
 
 
 @cuda.jit(device=True)
+def _lane_row_sum(part, t, r, splits, lane):
+    """The lane's share of sum over splits of part[t, r * splits + b]: b = lane, lane + 32, ...
+    (coalesced), UNROLL loads in flight; a warp_sum of it is the row's sum."""
+    vals = cuda.local.array(UNROLL, np.float32)
+    n = part.shape[1]
+    acc = np.float32(0.0)
+    for b0 in range(lane, splits, 32 * UNROLL):
+        for k in range(UNROLL):
+            vals[k] = part[t, min(r * splits + b0 + 32 * k, n - 1)]
+        for k in range(UNROLL):
+            if b0 + 32 * k < splits:
+                acc += vals[k]
+    return acc
+
+
+@cuda.jit(device=True)
 def _gather_partials(mv, part, t, rows, splits, scratch):
     """mv[r] = sum over splits of part[t, r * splits + b], r < rows: warp per row, lanes over
     splits (coalesced). Every thread of the block must call it."""
-    vals = cuda.local.array(UNROLL, np.float32)
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     lane, w, nw = tid % 32, tid // 32, nt // 32
-    n = part.shape[1]
     for r0 in range(0, rows, nw):
         r = r0 + w
-        acc = np.float32(0.0)
-        for b0 in range(lane, splits, 32 * UNROLL):
-            for k in range(UNROLL):
-                vals[k] = part[t, min(min(r, rows - 1) * splits + b0 + 32 * k, n - 1)]
-            for k in range(UNROLL):
-                if b0 + 32 * k < splits and r < rows:
-                    acc += vals[k]
-        acc = warp_sum(acc, scratch)
+        acc = warp_sum(_lane_row_sum(part, t, min(r, rows - 1), splits, lane), scratch)
         if lane == 0 and r < rows:
             mv[r] = acc
     cuda.syncthreads()  # after this barrier no thread reads part[t] again
@@ -753,7 +760,6 @@ def _hc_pre_u_gram4(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_no
     terms hardly cancel), and its dim's u and normed u."""
     scratch = cuda.shared.array(MAX_THREADS, np.float32)  # (the simulator's warp_sum)
     mv = cuda.shared.array(U_ROWS, np.float32)
-    vals = cuda.local.array(UNROLL, np.float32)
     b, t = cuda.blockIdx.x, cuda.blockIdx.y
     D = X.shape[2]
     M = 24  # (2 + 4) * 4 mix rows
@@ -763,15 +769,7 @@ def _hc_pre_u_gram4(out_u, X, part, base, scale, rms_eps, hc_eps, splits, out_no
     x0, x1, x2, x3 = X[t, 0, d], X[t, 1, d], X[t, 2, d], X[t, 3, d]
     wd = norm_w[d]
     r = w if w < 4 else M + min(w, U_ROWS - 1) - 4  # warp 4: the squares, 5 ..: G
-    n = part.shape[1]
-    acc = np.float32(0.0)
-    for b0 in range(lane, splits, 32 * UNROLL):  # _gather_partials' order
-        for k in range(UNROLL):
-            vals[k] = part[t, min(r * splits + b0 + 32 * k, n - 1)]
-        for k in range(UNROLL):
-            if b0 + 32 * k < splits:
-                acc += vals[k]
-    acc = warp_sum(acc, scratch)
+    acc = warp_sum(_lane_row_sum(part, t, r, splits, lane), scratch)
     if lane == 0 and w < U_ROWS:
         mv[w] = acc
     cuda.syncthreads()
