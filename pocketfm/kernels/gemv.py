@@ -55,7 +55,8 @@ from numba import cuda
 from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
 from .bench import BenchCase
 from .device import (SIMULATOR, block_sum, block_sum_warps, capture_graph, cdiv, kernel,
-                     resident_blocks, sm_count, stream_buffer, warp_sum, xor_shfl)
+                     last_block_done, resident_blocks, sm_count, stream_buffer, stream_counter,
+                     warp_sum, xor_shfl)
 from .lowbit_layout import _f32_bits
 from .qweight import QWeight
 
@@ -550,11 +551,10 @@ def _q8_0_row(qs, d, x, r, lane):
 
 @kernel
 def _gemv_q8_0_norm_limbs(out, xn, xl, qs, d, x, w, eps, done):
-    """out[0, r] = W[r] · x, a warp a row; the blocks count themselves done in done[0] after a
-    fence, and the last one norms out (xn = rmsnorm(out) * w) and makes xn's limbs into xl
-    (empty: none) as _q8_0_x_limbs_norm does, then sets done[0] back to 0."""
+    """out[0, r] = W[r] · x, a warp a row; the last block to finish (device.last_block_done)
+    norms out (xn = rmsnorm(out) * w) and makes xn's limbs into xl (empty: none) as
+    _q8_0_x_limbs_norm does, then sets done[0] back to 0."""
     scratch = cuda.shared.array(QA_THREADS, np.float32)  # (the simulator's warp_sum)
-    last = cuda.shared.array(1, np.int32)
     N = out.shape[1]
     tid = cuda.threadIdx.x
     lane, wp = tid % 32, tid // 32
@@ -562,19 +562,10 @@ def _gemv_q8_0_norm_limbs(out, xn, xl, qs, d, x, w, eps, done):
     v = warp_sum(_q8_0_row(qs, d, x, min(row, N - 1), lane), scratch)
     if lane == 0 and row < N:
         out[0, row] = v
-    cuda.threadfence()
-    cuda.syncthreads()
-    if tid == 0:
-        last[0] = np.int32(cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1)
-    cuda.syncthreads()
-    if last[0]:
-        cuda.threadfence()
+    if last_block_done(done):
         _norm_limbs_block(xl, xn, out, w, eps)
         if tid == 0:
             done[0] = 0
-
-
-_QA_DONE: dict = {}  # a zeroed counter a stream (its launches run in turn; the last resets it)
 
 
 def takes_norm_limbs_gemv(w: QWeight) -> bool:
@@ -595,11 +586,8 @@ def gemv_q8_0_norm_limbs(out, w: QWeight, x, norm, stream=0, limbs: bool = True,
     xn, nw, eps = norm
     shape = (1, N // 16 * XLW) if limbs else (1, 0)  # (no limbs: an empty stand-in)
     xl = stream_buffer(name if limbs else "no limbs", stream, shape, np.int32)
-    key = id(stream)
-    if key not in _QA_DONE:  # (made before any capture: the engine's first step is eager)
-        _QA_DONE[key] = (stream, cuda.to_device(np.zeros(1, np.int32), stream=stream))
     _gemv_q8_0_norm_limbs[cdiv(N, QA_THREADS // 32), QA_THREADS, stream](
-        out, xn, xl, *w.planes, x, nw, np.float32(eps), _QA_DONE[key][1])
+        out, xn, xl, *w.planes, x, nw, np.float32(eps), stream_counter("q_a done", stream))
     return xl if limbs else None
 
 

@@ -346,13 +346,11 @@ def _router_row(w, x, r, lane):
 @device.kernel
 def _router_route(out_ids, out_w, logits, w, x, bias, tid2eid, tokens, use_hash, routed_scale,
                   normalise, done):
-    """logits[0, r] = W[r] · x, a warp a row; then each block counts itself done in done[0]
-    (after a fence: its logits are visible to the GPU first) and the last block to finish
-    routes the token (_route_block over the logits) and sets done[0] back to 0 for the next
-    launch. The same top-k and weights as route() after gemv(), from logits summed in
+    """logits[0, r] = W[r] · x, a warp a row; then the last block to finish
+    (device.last_block_done) routes the token (_route_block over the logits) and sets done[0]
+    back to 0 for the next launch. The same top-k and weights as route() after gemv(), from logits summed in
     another order (rounding apart)."""
     scratch = cuda.shared.array(ROUTER_THREADS, float32)  # (the simulator's warp_sum)
-    last = cuda.shared.array(1, int32)
     E = logits.shape[1]
     tid = cuda.threadIdx.x
     lane, wp = tid % 32, tid // 32
@@ -360,20 +358,11 @@ def _router_route(out_ids, out_w, logits, w, x, bias, tid2eid, tokens, use_hash,
     v = device.warp_sum(_router_row(w, x, r, lane), scratch)
     if lane == 0 and cuda.blockIdx.x * ROUTER_WARPS + wp < E:
         logits[0, r] = v
-    cuda.threadfence()
-    cuda.syncthreads()
-    if tid == 0:
-        last[0] = int32(cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1)
-    cuda.syncthreads()
-    if last[0]:
-        cuda.threadfence()
+    if device.last_block_done(done):
         _route_block(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
                      normalise, 0)
         if tid == 0:
             done[0] = 0
-
-
-_DONE: dict = {}  # a zeroed counter a stream (its launches run in turn; the last resets it)
 
 
 def takes_router_route(gate_inp: QWeight, k: int) -> bool:
@@ -390,12 +379,9 @@ def router_route(out_ids, out_w, logits, gate_inp: QWeight, x, bias, tid2eid, to
     (takes_router_route must hold)."""
     E, k = logits.shape[1], out_ids.shape[1]
     assert takes_router_route(gate_inp, k) and gate_inp.rows == E
-    key = id(stream)
-    if key not in _DONE:  # (made before any capture: the engine's first step is eager)
-        _DONE[key] = (stream, cuda.to_device(np.zeros(1, np.int32), stream=stream))
     _router_route[cdiv(E, ROUTER_WARPS), ROUTER_THREADS, stream](
         out_ids, out_w, logits, gate_inp.planes[0], x, bias, tid2eid, token, int32(use_hash),
-        float32(routed_scale), int32(normalise), _DONE[key][1])
+        float32(routed_scale), int32(normalise), device.stream_counter("router done", stream))
 
 
 # ---- elementwise kernels (grid-stride; at decode sizes one wave of blocks) -----------------
