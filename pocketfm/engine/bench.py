@@ -252,9 +252,8 @@ def _decode_variants() -> dict:
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l); the routing in the router
     GEMV's last block, and the q_a norm with q_b's limbs in q_a's, not yet measured). HC pre's
-    mix and u in one
-    launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
-    was dropped."""
+    mix and u in one launch (the last block to finish making u) was a candidate too, 8.30
+    against 7.94 ms, and was dropped."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),

@@ -299,6 +299,11 @@ class DecodeEngine:
             argmax(self.next_token, self.logits.reshape(cfg.vocab), s, threads=nt)
         sk.end_step(self.meta, self.ids, self.next_token, s)
 
+    def _hc_pre_forms(self) -> dict:
+        """hc_pre's kernel choices under this engine's settings (both sublayers')."""
+        return dict(u_threads=self.hc_u_threads, u_prefetch=self.hc_u_prefetch,
+                    mix_prefetch=self.hc_mix_prefetch, u_gram=self.hc_u_gram)
+
     def _attention(self, i: int, X, post_from):
         """The attention sublayer on streams X (first made as the HC post ``post_from`` of the
         sublayer before, if any); returns its own HC post's inputs, for the next HC pre."""
@@ -309,9 +314,7 @@ class DecodeEngine:
         side = self.side if self.branches else None  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
                threads=nt, side=side, norm=(u, L.attn_norm), post_from=post_from,
-               u_threads=self.hc_u_threads, u_prefetch=self.hc_u_prefetch,
-               mix_prefetch=self.hc_mix_prefetch, u_gram=self.hc_u_gram,
-               **sim)  # u = attn_norm(HC pre)
+               **self._hc_pre_forms(), **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
         if cfg.is_csa(i):  # the indexer's keys and weights, from u alone: on their own branch
@@ -443,9 +446,7 @@ class DecodeEngine:
         side = self.side if self.branches else None  # post + comb beside u and the MoE
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
                cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm),
-               post_from=post_from, u_threads=self.hc_u_threads,
-               u_prefetch=self.hc_u_prefetch, mix_prefetch=self.hc_mix_prefetch,
-               u_gram=self.hc_u_gram, **sim)
+               post_from=post_from, **self._hc_pre_forms(), **sim)
         # the output in parts where the next layer's HC pre adds them (not before the head)
         parts = (self.moe_parts and i + 1 < cfg.n_layers and L.shared_gate_up is not None
                  and self.moe.k + 1 <= MAX_PARTS
