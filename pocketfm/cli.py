@@ -345,9 +345,8 @@ def inspect(path, all_keys):
                    "limbs as their own launch; the routed gate+up on dp4a instead of the int8 "
                    "tensor cores) or try a candidate (the q_a norm folded on every layer; the "
                    "indexer query's Hadamard a warp a vector; the routed down on the int8 "
-                   "tensor cores too; the routing in the router GEMV's launch; q_a, its norm "
-                   "and q_b's limbs in one launch), each step captured anew, in turn, twice: "
-                   "an A/B in one process.")
+                   "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
+                   "process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")

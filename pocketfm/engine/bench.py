@@ -250,10 +250,10 @@ def _decode_variants() -> dict:
     imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV) or try a candidate (the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
-    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l); the routing in the router
-    GEMV's last block, and the q_a norm with q_b's limbs in q_a's, not yet measured). HC pre's
-    mix and u in one launch (the last block to finish making u) was a candidate too, 8.30
-    against 7.94 ms, and was dropped."""
+    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
+    launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
+    was dropped; so were the routing in the router GEMV's last block and q_a with its norm and
+    q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
@@ -269,16 +269,16 @@ def _decode_variants() -> dict:
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
             "the routed down on int8 tensor cores too (imma)": dict(imma_down=True),
-            "the routing in the router GEMV's launch (candidate)": dict(route_in_router=True),
-            "q_a, its norm and q_b's limbs in one launch (candidate)": dict(
-                q_a_in_one_launch=True),
-            "both one-launch candidates": dict(route_in_router=True, q_a_in_one_launch=True),
             "HC pre's u block loading the partials first (before)": dict(
                 hc_u_gram=False, hc_u_prefetch=False),
             "HC post + mix waiting on memory three times (before)": dict(
                 hc_u_gram=False, hc_mix_prefetch=False),
             "both HC kernels as before their loads first": dict(
-                hc_u_gram=False, hc_u_prefetch=False, hc_mix_prefetch=False)}
+                hc_u_gram=False, hc_u_prefetch=False, hc_mix_prefetch=False),
+            "the split attention loading each tile after the last (no prefetch)": dict(
+                attn_prefetch=False),
+            "the split attention at 4 tiles a split": dict(attn_split_tiles=4),
+            "the split attention at 1 tile a split": dict(attn_split_tiles=1)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

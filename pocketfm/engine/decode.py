@@ -40,9 +40,8 @@ from ..kernels import device
 from ..kernels.attention import attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import (XLW, gemv, gemv_q8_0, gemv_q8_0_norm_limbs, limbs_kernel,
-                            q8_0_limbs, simulator_prefers_rows, takes_limbs,
-                            takes_norm_limbs_gemv)
+from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
+                            simulator_prefers_rows, takes_limbs)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
@@ -168,15 +167,16 @@ class DecodeEngine:
         # (moe_layer without out), where the next HC pre takes the Gram path; the same sums in
         # the same order. H100, 30 layers, --decode-ab: 7.231 against 7.301 ms (2026-12-06 (n))
         self.moe_parts = True
-        # candidate: the router GEMV and the routing in one launch, the routing in its last
-        # block (moe.router_route): the routing's launch was ~6.6 µs of ramp for ~3 µs of work
-        # (H200, 2026-12-06 (m)); not yet measured
-        self.route_in_router = False
-        # candidate: q_a's GEMV with the q_a norm and q_b's limbs in its last block, every
-        # layer (gemv.gemv_q8_0_norm_limbs): the norm's one-block launch (5.6 µs, CSA layers)
-        # or the norm + limbs one (4.4 µs) off the path (H100 ncu, 2026-12-06 (n)); not yet
-        # measured
-        self.q_a_in_one_launch = False
+        # (removed candidates, H100, 30 layers, --decode-ab, 2026-12-06: the routing in the
+        # router GEMV's last block 7.134, q_a + its norm + q_b's limbs in one launch 7.207
+        # against 7.023 ms: the last block's serial tail after a fence cost more than the
+        # launch it saved)
+        # the CUDA-core split attention (CSA, window-only layers) loading its next tile's packed
+        # words while it scores this one, a tile's words all at once (attention._split_kernel
+        # prefetch); False: each tile loaded after the last is scored, four words a thread at a
+        # time. attn_split_tiles: its least tiles a split (None: attention.SPLIT_TILES)
+        self.attn_prefetch = True
+        self.attn_split_tiles = None
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -207,9 +207,8 @@ class DecodeEngine:
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
-        route_in_router, q_a_in_one_launch) set while inside, as they were
-        after it; the step is captured anew under each (an A/B of the step; an unknown name
-        raises AttributeError)."""
+        attn_prefetch, attn_split_tiles) set while inside, as they were after it; the step is
+        captured anew under each (an A/B of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -337,20 +336,14 @@ class DecodeEngine:
                             g.reshape(g.shape[1]), L.comp_ape, self.pos, c.ratio,
                             cfg.is_csa(i), L.comp_norm, L.freqs, eps, MODE_KV_FP8, None, out,
                             stream=s2, threads=nt, rowmap=rowmap)
+        gemv(self.cq, L.q_a, u, None, s, threads=nt)
         limbs = None  # q_b's x as int8 limbs, made with the q_a norm in one launch (dp4a q_b)
         fold = self.fold_q_a_norm is True or (self.fold_q_a_norm == "non-csa"
                                                 and not cfg.is_csa(i))
-        if (self.q_a_in_one_launch and takes_norm_limbs_gemv(L.q_a)
-                and takes_limbs(L.q_b, norm=True)):  # q_a, its norm and q_b's limbs
-            limbs = gemv_q8_0_norm_limbs(self.cq, L.q_a, u, (self.cq_norm, L.q_a_norm, eps), s,
-                                         name="q_b limbs")
+        if fold and takes_limbs(L.q_b, norm=True):
+            limbs = q8_0_limbs(self.cq, s, norm=(self.cq_norm, L.q_a_norm, eps), name="q_b limbs")
         else:
-            gemv(self.cq, L.q_a, u, None, s, threads=nt)
-            if fold and takes_limbs(L.q_b, norm=True):
-                limbs = q8_0_limbs(self.cq, s, norm=(self.cq_norm, L.q_a_norm, eps),
-                                   name="q_b limbs")
-            else:
-                rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
+            rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
         sq = self.side_q.fork(s) if self.branches and cfg.is_csa(i) else s  # beside the indexer
         if limbs is not None:
             gemv_q8_0(self.q.reshape(1, H * K), L.q_b, None, stream=sq, threads=nt, limbs=limbs)
@@ -382,7 +375,7 @@ class DecodeEngine:
                                       np.int32)
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
-                         **sim)
+                         prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles, **sim)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:
@@ -457,8 +450,7 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down,
-                  route_in_router=self.route_in_router)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
         f = self.moe.parts if parts else self.f

@@ -36,6 +36,8 @@ HPW = 2  # heads per warp: a lane holds q and the accumulator of HPW heads x K/3
 DPL = 16  # dims per lane at most (K <= 512)
 KC = 16  # keys per shared-memory tile; HPW·KC = 32 (score s[hh, kk] is summed onto lane hh·KC+kk)
 HPWDPL = HPW * DPL  # (literals for cuda.local.array)
+KC2 = 2 * KC
+MAX_ITEMS = 16  # packed words a thread decodes a tile, at most, where the kernel prefetches
 MAX_SPLITS = 64  # each split writes a whole H x K partial: more cost more than they gain
 COMBINE_THREADS = MAX_COMBINE_THREADS = 128  # the combine's block: dims of one head
 # the CUDA-core decode kernel's least KC-slot tiles a split (decode_splits). H200, graphs of 20
@@ -344,13 +346,35 @@ def _scores4(smem, kb, qr, kv, v, k0, K, ND):
             v[hh * KC + k0 + u] = s
 
 
+@_inline
+def _slot_code(m, s1, W, nwin, all_visible, sel, ncap):
+    """The code of key slot m of a split ending at s1: 2·row for window row m, 2·row + 1 for
+    the compressed row it names (sel[m - W], or m - W where all are visible), -1 for none."""
+    code = -1
+    if m < s1:
+        if m < W:
+            code = 2 * m if m < nwin else -1
+        elif all_visible:
+            code = 2 * (m - W) + 1
+        else:
+            j = int(sel[m - W])
+            code = 2 * j + 1 if j >= 0 and j < ncap else -1
+    return code
+
+
 _SPLITS: dict = {}
 
 
-def _split_kernel(K: int, R: int, NT: int):
+def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True):
     """The split kernel compiled for head dim K, R rope dims and NT threads a block (closure
-    constants: literal shared-memory offsets, unrolled lane loops, 128-bit shared loads)."""
-    key = (K, R, NT)
+    constants: literal shared-memory offsets, unrolled lane loops, 128-bit shared loads).
+
+    ``prefetch``: a thread's packed words of the next tile (MAX_ITEMS at most) load into
+    registers while this tile is scored, and a tile's words all load at once; without it a
+    tile's words load after the previous tile is scored, four a thread at a time."""
+    NI = cdiv(KC * (K - R) // 4 + KC * R // 2, NT)  # the words a thread decodes a tile
+    PREFETCH = prefetch and NI <= MAX_ITEMS
+    key = (K, R, NT, PREFETCH)
     if key in _SPLITS:
         return _SPLITS[key]
     if K % 128 or K > 32 * DPL or (K - R) % 64 or R % 2 or NT % 32:
@@ -376,7 +400,8 @@ def _split_kernel(K: int, R: int, NT: int):
         """
         smem = cuda.shared.array(0, float32, alignment=_ALIGN)
         smem_u = cuda.shared.array(0, uint32, alignment=_ALIGN)  # same bytes: bf16 bit moves
-        kcode = cuda.shared.array(KC, int32)  # 2·row (window), 2·row + 1 (compressed), -1
+        # 2·row (window), 2·row + 1 (compressed), -1: a tile's slots (two tiles' with PREFETCH)
+        kcode = cuda.shared.array(KC2, int32)
         H = q.shape[0]
         W = win.shape[0]
         ncap = comp.shape[0]
@@ -391,39 +416,53 @@ def _split_kernel(K: int, R: int, NT: int):
         v = cuda.local.array(32, float32)
         mr = cuda.local.array(HPW, float32)
         lr = cuda.local.array(HPW, float32)
-        _init_heads(qr, acc, mr, lr, q, h0, lane, scale, ND)
+        wb = cuda.local.array(MAX_ITEMS, uint32)  # PREFETCH: the next tile's words, and
+        sb = cuda.local.array(MAX_ITEMS, uint32)  # the words of their FP8 scales
         nwin = min(int(n_window[0]), W)
         slots = ncap if all_visible else sel.shape[0]
         per = ((W + slots + P - 1) // P + KC - 1) // KC * KC  # whole tiles per split
         s0 = cuda.blockIdx.x * per
         s1 = min(s0 + per, W + (min(int(n_comp[0]), ncap) if all_visible else slots))
-        for t0 in range(s0, s1, KC):
+        if PREFETCH:  # the slots' codes, then q, then the first tile's words: all in flight
             if tid < KC:
-                m = t0 + tid
-                code = -1
-                if m < s1:
-                    if m < W:
-                        code = 2 * m if m < nwin else -1
-                    elif all_visible:
-                        code = 2 * (m - W) + 1
-                    else:
-                        j = int(sel[m - W])
-                        code = 2 * j + 1 if j >= 0 and j < ncap else -1
-                kcode[tid] = code
+                kcode[tid] = _slot_code(s0 + tid, s1, W, nwin, all_visible, sel, ncap)
+            _init_heads(qr, acc, mr, lr, q, h0, lane, scale, ND)
             cuda.syncthreads()
-            # decode the tile, one packed word (4 FP8 codes or 2 bf16 dims) per item; each
-            # thread fetches four items before decoding any (four L2 round trips overlap)
-            for it in range(tid, KC * KW, 4 * NT):
-                w0, x0 = _fetch(win, comp, kcode, it, KW, NOPE, R)
-                w1, x1 = _fetch(win, comp, kcode, it + NT, KW, NOPE, R)
-                w2, x2 = _fetch(win, comp, kcode, it + 2 * NT, KW, NOPE, R)
-                w3, x3 = _fetch(win, comp, kcode, it + 3 * NT, KW, NOPE, R)
-                _put(smem, smem_u, kcode, it, w0, x0, K, KW, NOPE)
-                _put(smem, smem_u, kcode, it + NT, w1, x1, K, KW, NOPE)
-                _put(smem, smem_u, kcode, it + 2 * NT, w2, x2, K, KW, NOPE)
-                _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE)
-            cuda.syncthreads()
-            _tile_softmax(smem, kcode, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
+            for j in range(NI):
+                wb[j], sb[j] = _fetch(win, comp, kcode, tid + j * NT, KW, NOPE, R)
+            cur = 0
+            for t0 in range(s0, s1, KC):
+                cw = kcode[cur * KC:]
+                for j in range(NI):
+                    _put(smem, smem_u, cw, tid + j * NT, int(wb[j]), int(sb[j]), K, KW, NOPE)
+                nw = kcode[(1 - cur) * KC:]
+                if tid < KC:
+                    nw[tid] = _slot_code(t0 + KC + tid, s1, W, nwin, all_visible, sel, ncap)
+                cuda.syncthreads()
+                if t0 + KC < s1:  # the next tile's words load while this one is scored
+                    for j in range(NI):
+                        wb[j], sb[j] = _fetch(win, comp, nw, tid + j * NT, KW, NOPE, R)
+                _tile_softmax(smem, cw, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
+                cur = 1 - cur
+        else:
+            _init_heads(qr, acc, mr, lr, q, h0, lane, scale, ND)
+            for t0 in range(s0, s1, KC):
+                if tid < KC:
+                    kcode[tid] = _slot_code(t0 + tid, s1, W, nwin, all_visible, sel, ncap)
+                cuda.syncthreads()
+                # decode the tile, one packed word (4 FP8 codes or 2 bf16 dims) per item; each
+                # thread fetches four items before decoding any (four L2 round trips overlap)
+                for it in range(tid, KC * KW, 4 * NT):
+                    w0, x0 = _fetch(win, comp, kcode, it, KW, NOPE, R)
+                    w1, x1 = _fetch(win, comp, kcode, it + NT, KW, NOPE, R)
+                    w2, x2 = _fetch(win, comp, kcode, it + 2 * NT, KW, NOPE, R)
+                    w3, x3 = _fetch(win, comp, kcode, it + 3 * NT, KW, NOPE, R)
+                    _put(smem, smem_u, kcode, it, w0, x0, K, KW, NOPE)
+                    _put(smem, smem_u, kcode, it + NT, w1, x1, K, KW, NOPE)
+                    _put(smem, smem_u, kcode, it + 2 * NT, w2, x2, K, KW, NOPE)
+                    _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE)
+                cuda.syncthreads()
+                _tile_softmax(smem, kcode, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
         for hh in range(HPW):
             h = h0 + hh
             if h < H:
@@ -577,7 +616,8 @@ def _partials(P: int, H: int, K: int, stream):
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
                      naive: bool = False, part=None, mma=None, tiles_per_split: int = 4,
-                     out_rope=None, split_tiles: int | None = None, limbs=None) -> None:
+                     out_rope=None, split_tiles: int | None = None, limbs=None,
+                     prefetch: bool = True) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -592,7 +632,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     cores for CSA's 640 slots (29.8 µs; tensor cores 31.0-37.7: at that size neither kernel's
     time is its arithmetic) and in the simulator (``mma=True`` forces the tensor cores there).
 
-    ``split_tiles``: the CUDA-core kernel's least KC-slot tiles a split (SPLIT_TILES).
+    ``split_tiles``: the CUDA-core kernel's least KC-slot tiles a split (SPLIT_TILES);
+    ``prefetch``: its next tile's words loaded while a tile is scored (_split_kernel).
 
     ``out_rope`` (pos [1] int32, freqs [R/2] float64): out leaves with the last R dims rotated
     back by the inverse RoPE at pos (§4.9), inside the combine (naive: norm_rope.rope after).
@@ -626,7 +667,7 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             float32(scale), *_no_rope(), float32(0.0))
     else:
         nt = threads or 256
-        kern, smem = _split_kernel(K, R, nt)
+        kern, smem = _split_kernel(K, R, nt, prefetch)
         P, groups = decode_splits(H, K, slots, nt, split_tiles or SPLIT_TILES)
         part = _partials(P, H, K, stream) if part is None else part
         kern[(P, groups), nt, stream, smem](
@@ -660,9 +701,9 @@ PTX_SIGNATURES = [
                               "float32, int64)"),
     (_attention_chunk_naive, "void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, ::1], "
                              "uint8[:, ::1], float32[::1], float32, int64)"),
-    (_split_kernel(512, 64, 256)[0], f"void({_PART}, float32[:, ::1], uint32[:, ::1], "
-                                     "int32[::1], uint32[:, ::1], int32[::1], int32[::1], int32, "
-                                     "float32)"),  # V4-Flash: K = 512, R = 64, 256 threads
+    *((_split_kernel(512, 64, 256, prefetch)[0],  # V4-Flash: K = 512, R = 64, 256 threads
+       f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
+       "int32[::1], int32, float32)") for prefetch in (True, False)),
     (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1], int32[::1], "
                          "float64[::1])"),
     (_attention_combine_limbs, f"void(float32[:, ::1], int32[:, ::1], {_PART}, float32[::1], "
@@ -684,7 +725,8 @@ def random_packed_kv(rng, n: int, K: int, R: int) -> np.ndarray:
 def bench_cases(stream) -> list[BenchCase]:
     """V4-Flash decode: H = 64 heads x K = 512 (R = 64), a full 128-entry window plus 512
     selected compressed entries (CSA) or 2048 / 8192 visible ones (HCA at 256K / 1M context);
-    the CUDA-core split kernel and the tensor-core one at 1, 2 and 4 tiles a split; the
+    the CUDA-core split kernel (with and without its next tile's prefetch) and the tensor-core
+    one at 1, 2 and 4 tiles a split; the
     launcher's pick with out_a's x limbs made in the combine, and with a limbs launch after."""
     rng = np.random.default_rng(0)
     H, K, R, W = 64, 512, 64, 128
@@ -692,7 +734,9 @@ def bench_cases(stream) -> list[BenchCase]:
     kernels = {"split": dict(mma=False), "mma 1 tile/split": dict(mma=True, tiles_per_split=1),
                "mma 2 tiles/split": dict(mma=True, tiles_per_split=2),
                "mma 4 tiles/split": dict(mma=True, tiles_per_split=4),
-               **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (1, 2, 4)}}
+               **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (1, 2, 4)},
+               **{f"split {t} tiles/split, no prefetch": dict(mma=False, split_tiles=t,
+                                                              prefetch=False) for t in (1, 2, 4)}}
     for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):
         hca = mode == "HCA"
         ncap = ncomp if hca else 262_144 // 16  # CSA: a 64K-entry pool, 512 rows picked from it

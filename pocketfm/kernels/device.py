@@ -357,32 +357,6 @@ def stream_buffer(name: str, stream, shape: tuple, dtype):
     return _STREAM_BUFFERS[key][1]
 
 
-def stream_counter(name: str, stream):
-    """A zeroed int32 [1] device counter for ``name`` private to ``stream`` (as stream_buffer:
-    made on first use, before any capture): last_block_done's, which its last block sets back
-    to 0, so the launches on the stream take it in turn."""
-    key = (name, id(stream), (1,), "counter")
-    if key not in _STREAM_BUFFERS:
-        _STREAM_BUFFERS[key] = (stream, cuda.to_device(np.zeros(1, np.int32), stream=stream))
-    return _STREAM_BUFFERS[key][1]
-
-
-@cuda.jit(device=True)
-def last_block_done(done):
-    """Whether the calling block is the last of the grid to get here, after its global writes
-    (a fence, then done[0] counted up by one thread): that block may then read what every
-    block wrote, and must set done[0] back to 0 (stream_counter). Every thread calls it."""
-    last = cuda.shared.array(1, np.int32)
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        last[0] = np.int32(cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1)
-    cuda.syncthreads()
-    if last[0]:
-        cuda.threadfence()
-    return last[0] != 0
-
-
 def capture_graph(launches, stream, warm: bool = True):
     """Capture ``launches`` (zero-argument callables launching on ``stream``) as one CUDA graph;
     returns a zero-argument ``replay`` (gpu_notes §7: ~1.2 µs per kernel on replay instead of

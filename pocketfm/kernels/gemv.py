@@ -55,8 +55,7 @@ from numba import cuda
 from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
 from .bench import BenchCase
 from .device import (SIMULATOR, block_sum, block_sum_warps, capture_graph, cdiv, kernel,
-                     last_block_done, resident_blocks, sm_count, stream_buffer, stream_counter,
-                     warp_sum, xor_shfl)
+                     resident_blocks, sm_count, stream_buffer, warp_sum, xor_shfl)
 from .lowbit_layout import _f32_bits
 from .qweight import QWeight
 
@@ -483,15 +482,9 @@ def _q8_0_x_limbs_norm(xl, xn, x, w, eps):
     """One block, one row (x [1, K], K <= NORM_LIMBS_MAX_K): xn = x / sqrt(mean(x^2) + eps) * w,
     the RMSNorm with its weight, then xl <- the limbs of xn, the same words as _q8_0_x_limbs
     makes of it: the decode's q_a norm and q_b's x preparation in one launch (off the CSA
-    layers): _norm_limbs_block."""
-    _norm_limbs_block(xl, xn, x, w, eps)
-
-
-@cuda.jit(device=True)
-def _norm_limbs_block(xl, xn, x, w, eps):
-    """_q8_0_x_limbs_norm's work by the calling block (blockDim >= K / 4; every thread calls
-    it). Four threads a 16-column chunk (``_chunk_words``), each holding its 4 elements from
-    the load through the norm to the limbs."""
+    layers).
+    Four threads a 16-column chunk (``_chunk_words``), each holding its 4 elements from the
+    load through the norm to the limbs."""
     scratch = cuda.shared.array(1024, np.float32)  # (the simulator's shuffles and warp sums)
     wsum = cuda.shared.array(32, np.float32)
     vals = cuda.local.array(4, np.float32)
@@ -510,85 +503,7 @@ def _norm_limbs_block(xl, xn, x, w, eps):
         vals[k] = y
         if ok:
             xn[0, 4 * j + k] = y
-    _chunk_words(xl, 0, j // 4, j % 4, vals, scratch, ok and xl.shape[1] > 0)
-
-
-# ---- q_a, its norm and q_b's limbs in one launch (decode; a candidate) -------------------------
-# The decode's q_a GEMV (Q8_0, 1,024 x 4,096) is followed by one block that norms its output and
-# makes q_b's limbs (or only norms it, on the CSA layers): ~4-6 µs of launch and ramp on the
-# path for ~2 µs of work (H100 ncu, 2026-12-06 (n)). Here the GEMV's blocks count themselves
-# done and the last one does that block's work.
-QA_THREADS = 256  # a warp a row, 8 rows a block; the last block norms K <= 4 * QA_THREADS
-QA_UNROLL = 4  # 16-byte chunks a lane has in flight
-QA_WORDS = 16  # (= 4 QA_UNROLL)
-
-
-@cuda.jit(device=True)
-def _q8_0_row(qs, d, x, r, lane):
-    """W[r] · x over the warp for a Q8_0 weight (qs int32 [1, N, K / 4], d float16 [1, N, K /
-    32]) and x float32 [1, K]: lane l takes the 16-weight chunks l, l + 32, ..., QA_UNROLL in
-    flight; each chunk's sum times its block's scale (float weights, not dp4a limbs)."""
-    kw, ks = qs.shape[2], d.shape[2]
-    n = kw // 4  # 16-byte chunks a row
-    wv = cuda.local.array(QA_WORDS, np.int32)
-    sv = cuda.local.array(QA_UNROLL, np.float32)
-    acc = np.float32(0)
-    for c0 in range(lane, n, 32 * QA_UNROLL):
-        for u in range(QA_UNROLL):
-            c = min(c0 + 32 * u, n - 1)
-            wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = _ld_x4(qs, r * kw + 4 * c)
-            sv[u] = np.float32(_ld(d, r * ks + c // 2))
-        for u in range(QA_UNROLL):
-            c = c0 + 32 * u
-            if c < n:
-                t = np.float32(0)
-                for m in range(4):
-                    for k in range(4):
-                        t += _dq_q8_0(wv[4 * u + m], k) * x[0, 16 * c + 4 * m + k]
-                acc += t * sv[u]
-    return acc
-
-
-@kernel
-def _gemv_q8_0_norm_limbs(out, xn, xl, qs, d, x, w, eps, done):
-    """out[0, r] = W[r] · x, a warp a row; the last block to finish (device.last_block_done)
-    norms out (xn = rmsnorm(out) * w) and makes xn's limbs into xl (empty: none) as
-    _q8_0_x_limbs_norm does, then sets done[0] back to 0."""
-    scratch = cuda.shared.array(QA_THREADS, np.float32)  # (the simulator's warp_sum)
-    N = out.shape[1]
-    tid = cuda.threadIdx.x
-    lane, wp = tid % 32, tid // 32
-    row = cuda.blockIdx.x * (cuda.blockDim.x // 32) + wp
-    v = warp_sum(_q8_0_row(qs, d, x, min(row, N - 1), lane), scratch)
-    if lane == 0 and row < N:
-        out[0, row] = v
-    if last_block_done(done):
-        _norm_limbs_block(xl, xn, out, w, eps)
-        if tid == 0:
-            done[0] = 0
-
-
-def takes_norm_limbs_gemv(w: QWeight) -> bool:
-    """Whether gemv_q8_0_norm_limbs serves ``w``: Q8_0, one plane, K in whole 16-byte chunks,
-    N <= 4 * QA_THREADS (the last block's norm covers the row)."""
-    return (w.qtype == GGMLType.Q8_0 and w.experts == 1 and w.cols % 16 == 0
-            and w.rows <= 4 * QA_THREADS)
-
-
-def gemv_q8_0_norm_limbs(out, w: QWeight, x, norm, stream=0, limbs: bool = True,
-                         name: str = "q8_0 x limbs"):
-    """One launch (_gemv_q8_0_norm_limbs): out [1, N] = W · x (x [1, K]), then with ``norm``
-    (xn [1, N], nw [N], eps) xn = rmsnorm(out) * nw, and with ``limbs`` xn's limbs in the
-    stream buffer ``name`` (q8_0_limbs' format), which it returns (else None). A decode
-    candidate for gemv + q8_0_limbs(norm=) / rmsnorm (takes_norm_limbs_gemv must hold)."""
-    assert takes_norm_limbs_gemv(w) and (w.rows % 16 == 0 or not limbs)
-    N = w.rows
-    xn, nw, eps = norm
-    shape = (1, N // 16 * XLW) if limbs else (1, 0)  # (no limbs: an empty stand-in)
-    xl = stream_buffer(name if limbs else "no limbs", stream, shape, np.int32)
-    _gemv_q8_0_norm_limbs[cdiv(N, QA_THREADS // 32), QA_THREADS, stream](
-        out, xn, xl, *w.planes, x, nw, np.float32(eps), stream_counter("q_a done", stream))
-    return xl if limbs else None
+    _chunk_words(xl, 0, j // 4, j % 4, vals, scratch, ok)
 
 
 @cuda.jit(device=True, inline="always")
@@ -1072,9 +987,6 @@ def _signatures():
     yield _q8_0_x_limbs_words, "void(int32[:, ::1], float32[:, ::1])"
     yield (_q8_0_x_limbs_norm,
            "void(int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[::1], float32)")
-    yield (_gemv_q8_0_norm_limbs,
-           "void(float32[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, :, ::1], "
-           "float16[:, :, ::1], float32[:, ::1], float32[::1], float32, int32[::1])")
 
 
 PTX_SIGNATURES = list(_signatures())

@@ -49,7 +49,7 @@ from ..quants import GGMLType, random_blocks, type_name
 from . import device, imma_iq2_xxs, imma_q2_k
 from .bench import BenchCase
 from .device import capture_graph, cdiv
-from .gemv import _dq_f16, _ld_x4, gemv, gemv_ref
+from .gemv import gemv, gemv_ref
 from .gemv_lowbit import (fuses_swiglu, gemv_prepared, gemv_swiglu, prepare_x, shares_x_row,
                           swiglu_scalar, takes_prepared_x)
 from .qweight import QWeight
@@ -195,11 +195,10 @@ GROUP = 32  # experts per group in the first round of _route_group_rank
 MAX_CAND = MAX_E // GROUP * MAX_K  # candidate slots after that round
 
 
-@cuda.jit(device=True)
-def _route_block(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
-                 normalise, t):
-    """Token t's routing by the whole block (every thread calls it): top-k by counting ranks in
-    the order (score desc, index asc).
+@device.kernel
+def _route_group_rank(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
+                      normalise):
+    """One block per token; top-k by counting ranks in the order (score desc, index asc).
 
     An expert's rank is how many entries beat it; it is selected iff rank < k, in slot rank.
     Counting against all E entries costs E steps per thread (V4: 256), so it runs in two rounds:
@@ -209,6 +208,7 @@ def _route_block(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed
     group's top k, hence a candidate; a candidate outside the top k is beaten by the k
     selected, all candidates, so its count is >= k too.
     """
+    t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     E = logits.shape[1]
@@ -269,14 +269,6 @@ def _route_block(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed
         out_w[t, j] = wv * routed_scale
 
 
-@device.kernel
-def _route_group_rank(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
-                      normalise):
-    """One block per token: _route_block."""
-    _route_block(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
-                 normalise, cuda.blockIdx.x)
-
-
 def route_chunk(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash: int,
                 routed_scale: float, normalise: int, stream=0, threads=None,
                 naive: bool = False) -> None:
@@ -308,80 +300,6 @@ def route(out_ids, out_w, logits, bias, tid2eid, token, use_hash: int, routed_sc
     k, E = out_ids.shape[0], logits.shape[0]
     route_chunk(out_ids.reshape(1, k), out_w.reshape(1, k), logits.reshape(1, E), bias,
                 tid2eid, token, use_hash, routed_scale, normalise, stream, threads)
-
-
-# ---- the router GEMV and the routing in one launch (decode; a candidate) -------------------
-# The routing block's ~3 µs of work cost a launch's ~6.6 µs on the decode's path (H200,
-# 2026-12-06 (m)): a kernel's ramp, not its instructions. Here the router's F16 GEMV blocks
-# count themselves done and the last one routes, so the routing runs as that launch's tail.
-ROUTER_WARPS = 4  # a warp a router row, ROUTER_WARPS rows a block
-ROUTER_THREADS = 128  # (= 32 ROUTER_WARPS: shared / local sizes must be plain constants)
-ROUTER_UNROLL = 4  # 16-byte weight chunks a lane has in flight
-ROUTER_WORDS = 16  # (= 4 ROUTER_UNROLL) their 32-bit words
-assert ROUTER_THREADS == 32 * ROUTER_WARPS and ROUTER_WORDS == 4 * ROUTER_UNROLL
-
-
-@cuda.jit(device=True)
-def _router_row(w, x, r, lane):
-    """W[r] · x for F16 words w [1, E, K / 2] (element 2j the low half of word j) and x [1, K],
-    summed over the warp: lane l takes the 16-byte chunks l, l + 32, ... (8 weights each),
-    ROUTER_UNROLL of them in flight."""
-    kw = w.shape[2]
-    n = kw // 4  # 16-byte chunks a row
-    acc = float32(0.0)
-    wv = cuda.local.array(ROUTER_WORDS, int32)
-    for c0 in range(lane, n, 32 * ROUTER_UNROLL):
-        for u in range(ROUTER_UNROLL):
-            c = min(c0 + 32 * u, n - 1)
-            wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = _ld_x4(w, (r * kw) + 4 * c)
-        for u in range(ROUTER_UNROLL):
-            c = c0 + 32 * u
-            if c < n:
-                for m in range(4):
-                    for h in range(2):
-                        acc += _dq_f16(wv[4 * u + m], h) * x[0, 8 * c + 2 * m + h]
-    return acc
-
-
-@device.kernel
-def _router_route(out_ids, out_w, logits, w, x, bias, tid2eid, tokens, use_hash, routed_scale,
-                  normalise, done):
-    """logits[0, r] = W[r] · x, a warp a row; then the last block to finish
-    (device.last_block_done) routes the token (_route_block over the logits) and sets done[0]
-    back to 0 for the next launch. The same top-k and weights as route() after gemv(), from logits summed in
-    another order (rounding apart)."""
-    scratch = cuda.shared.array(ROUTER_THREADS, float32)  # (the simulator's warp_sum)
-    E = logits.shape[1]
-    tid = cuda.threadIdx.x
-    lane, wp = tid % 32, tid // 32
-    r = min(cuda.blockIdx.x * ROUTER_WARPS + wp, E - 1)
-    v = device.warp_sum(_router_row(w, x, r, lane), scratch)
-    if lane == 0 and cuda.blockIdx.x * ROUTER_WARPS + wp < E:
-        logits[0, r] = v
-    if device.last_block_done(done):
-        _route_block(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
-                     normalise, 0)
-        if tid == 0:
-            done[0] = 0
-
-
-def takes_router_route(gate_inp: QWeight, k: int) -> bool:
-    """Whether router_route serves this router weight: F16 (ds4's), one expert plane, rows in
-    whole 16-byte chunks, E <= MAX_E and k <= MAX_K."""
-    return (gate_inp.qtype == GGMLType.F16 and gate_inp.experts == 1
-            and gate_inp.cols % 8 == 0 and gate_inp.rows <= MAX_E and k <= MAX_K)
-
-
-def router_route(out_ids, out_w, logits, gate_inp: QWeight, x, bias, tid2eid, token,
-                 use_hash: int, routed_scale: float, normalise: int, stream=0) -> None:
-    """Decode form of gemv(logits, gate_inp, x) + route_chunk(...) in one launch
-    (_router_route): out_ids[1, k], out_w[1, k], logits[1, E] <- x[1, D]
-    (takes_router_route must hold)."""
-    E, k = logits.shape[1], out_ids.shape[1]
-    assert takes_router_route(gate_inp, k) and gate_inp.rows == E
-    _router_route[cdiv(E, ROUTER_WARPS), ROUTER_THREADS, stream](
-        out_ids, out_w, logits, gate_inp.planes[0], x, bias, tid2eid, token, int32(use_hash),
-        float32(routed_scale), int32(normalise), device.stream_counter("router done", stream))
 
 
 # ---- elementwise kernels (grid-stride; at decode sizes one wave of blocks) -----------------
@@ -546,7 +464,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
               threads=None, side=None, side_x=None, imma_gate_up=False,
-              imma_down: bool = False, route_in_router: bool = False) -> None:
+              imma_down: bool = False) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -560,9 +478,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     or a name of imma_iq2_xxs.CANDIDATES): the fused routed gate/up on imma_iq2_xxs.py's int8
     kernel where it takes the weight (IQ2_XXS), instead of the dp4a one (its x preparation on
     ``side_x`` alike); ``imma_down``: the routed down on imma_q2_k's kernel where it takes the
-    weight (Q2_K, gate and up fused); ``route_in_router``: the router GEMV and the routing in
-    one launch (router_route) where it takes the router weight (F16), a candidate. Launches
-    only, into ``scratch``: graph-capturable.
+    weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable.
     Which launches depends on the weight types (module docstring); the fusions change no bit
     of the result. ``out`` None (with a shared expert): no combine launch; the output is left
     in parts, ``scratch.parts`` [1, k + 1, D], for a reader that adds them in combine's order
@@ -594,13 +510,9 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
         prepared = imma_iq2_xxs.prepare_x(x, side_x.fork(stream))
     elif side_x is not None and fused and takes_prepared_x(gate_exps, threads):
         prepared = prepare_x(gate_exps, x, side_x.fork(stream))
-    if route_in_router and takes_router_route(gate_inp, sc.k):
-        router_route(sc.ids, sc.w_routed, sc.logits, gate_inp, x, bias, tid2eid, token,
-                     use_hash, routed_scale, normalise, stream)
-    else:
-        gemv(sc.logits, gate_inp, x, None, stream, threads)
-        route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash,
-                    routed_scale, normalise, stream, threads)
+    gemv(sc.logits, gate_inp, x, None, stream, threads)
+    route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash, routed_scale,
+                normalise, stream, threads)
     # the low-bit ids-GEMVs read the one row x for every id; gemv.py's types want k copies
     one_x = all(shares_x_row(w) for w in (gate_exps, up_exps) if w is not None)
     if not one_x:
@@ -660,7 +572,9 @@ def _bench_weight(qtype, E, N, K, rng, unique=16):
 
 
 def _router_then_route(sc, router, x, bias, tid2eid, token, stream) -> None:
-    """The router GEMV, then the routing: moe_layer's two launches without route_in_router."""
+    """The router GEMV, then the routing: moe_layer's first two launches (10.2 µs, H100,
+    2026-12-06; the routing in the GEMV's last block instead, one launch, took 15.1 and was
+    removed)."""
     gemv(sc.logits, router, x, None, stream)
     route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, 0, 1.5, 1, stream)
 
@@ -688,14 +602,11 @@ def bench_cases(stream) -> list[BenchCase]:
         BenchCase("moe", f"route E={E} k={k} (x{reps} per graph)", capture_graph(
             [lambda: route_chunk(sc.ids, sc.w_routed, logits, bias, tid2eid, token, 0, 1.5, 1,
                                  stream)] * reps, stream), bytes=reps * (2 * E * 4 + k * 8), launches=reps),
-        *[BenchCase("moe", f"router F16 {E}x{D} + route E={E} k={k}, {how} (x{reps} per graph)",
-                    capture_graph([call] * reps, stream), bytes=reps * (E * D * 2 + D * 4),
-                    launches=reps)
-          for how, call in (("two launches", lambda: _router_then_route(sc, rw, x1, bias,
-                                                                       tid2eid, token, stream)),
-                            ("one (router_route)", lambda: router_route(
-                                sc.ids, sc.w_routed, sc.logits, rw, x1, bias, tid2eid, token,
-                                0, 1.5, 1, stream)))],
+        BenchCase("moe", f"router F16 {E}x{D} + route E={E} k={k}, two launches "
+                  f"(x{reps} per graph)",
+                  capture_graph([lambda: _router_then_route(sc, rw, x1, bias, tid2eid, token,
+                                                            stream)] * reps, stream),
+                  bytes=reps * (E * D * 2 + D * 4), launches=reps),
         BenchCase("moe", f"swiglu_fused k={k}+1 F={F} (x{reps} per graph)", capture_graph(
             [lambda: swiglu_fused(sc.h, sc.gate_up, sc.w_ext, 10.0, stream)] * reps, stream),
             bytes=reps * (3 * (k + 1) * F * 4 + (k + 1) * 4), launches=reps),
@@ -749,9 +660,6 @@ _ROUTE_SIG = ("void(int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[::1
 PTX_SIGNATURES = [
     (_route_serial, _ROUTE_SIG),
     (_route_group_rank, _ROUTE_SIG),
-    (_router_route, "void(int32[:, ::1], float32[:, ::1], float32[:, ::1], int32[:, :, ::1], "
-                    "float32[:, ::1], float32[::1], int32[:, ::1], int32[::1], int32, float32, "
-                    "int32, int32[::1])"),
     (_swiglu_elementwise,
      "void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[::1], float32, int32)"),
     (_combine_sum, "void(float32[:, ::1], float32[:, :, ::1], float32[:, ::1])"),

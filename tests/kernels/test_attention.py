@@ -31,8 +31,9 @@ def run_decode(q, win, nw, comp, sel, nc, hca, sinks, naive=False, **how):
                             hca, sinks.astype(np.float64), scale)
     out = poisoned((H, K))
     d = [cuda.to_device(a) for a in (q, win, arrs[0], comp, arrs[1], arrs[2], sinks)]
+    threads = how.pop("threads", THREADS)
     at.attention_decode(out, d[0], d[1], d[2], d[3], d[4], d[5], hca, d[6], scale,
-                        threads=THREADS, naive=naive, **how)
+                        threads=threads, naive=naive, **how)
     return out.copy_to_host(), ref
 
 
@@ -62,6 +63,25 @@ def test_attention_decode_hca(naive):
     sel = np.full(S, 123456, np.int32)  # garbage: must not be read
     out, ref = run_decode(q, win, W, comp, sel, 37, 1, sinks, naive)
     assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("hca,tiles", [(0, 1), (1, 2), (1, 4)])
+def test_the_split_kernel_prefetching_the_next_tile_changes_nothing(hca, tiles):
+    """The split kernel loading the next tile's words while it scores this one (64 threads:
+    12 words a thread a tile) = the kernel loading each tile after the last, bit for bit, and
+    the reference within rounding: 1, 2 or 4 tiles a split, the last one cut short (37
+    visible compressed entries), a window partly filled, CSA holes."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, 4)
+    sel = rng.choice(NCAP, S, replace=False)
+    sel[rng.integers(0, S, size=2)] = -1
+    assert at._split_kernel(K, R, 64)[0] is not at._split_kernel(K, R, 64, False)[0]
+    got = {}
+    for prefetch in (True, False):
+        got[prefetch], ref = run_decode(q, win, 11, comp, sel, 37, hca, sinks, threads=64,
+                                        split_tiles=tiles, prefetch=prefetch)
+    assert np.array_equal(got[True], got[False])
+    assert rel_err(got[True], ref) <= 1e-4
 
 
 def test_attention_decode_sink_dominates():

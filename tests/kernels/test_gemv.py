@@ -116,40 +116,6 @@ def test_q8_0_limbs_with_the_norm_then_the_dp4a_kernel(K):
     assert np.array_equal(xl.copy_to_host(), plain.copy_to_host())
 
 
-@pytest.mark.parametrize("N,K,limbs", [(64, 256, True), (48, 96, True), (40, 128, False)])
-def test_q8_0_gemv_with_its_norm_and_limbs_in_the_last_block(N, K, limbs):
-    """gemv_q8_0_norm_limbs: W · x a warp a row (against NumPy), then in the last block to
-    finish the output's RMSNorm and its limbs (the same words as q8_0_limbs(norm=) makes of
-    that output), twice in a row (the done counter set back); N = 40: a last block of one
-    busy warp, without limbs (the CSA layers' q_a: the norm alone)."""
-    from pocketfm.kernels.norm_rope import rmsnorm_ref
-
-    rng = fresh_rng()
-    w, _, _, _ = _case("q8_0", 1, N, K, 1, False, rng)
-    assert gemv.takes_norm_limbs_gemv(w)
-    dw = w.to_device()
-    nw = rng.standard_normal(N).astype(np.float32)
-    for step in range(2):
-        x = rng.standard_normal((1, K)).astype(np.float32)
-        ref = np.empty((1, N))
-        gemv.gemv_q8_0_ref(ref, w, x.astype(np.float64))
-        out, xn = poisoned((1, N)), poisoned((1, N))
-        xl = gemv.gemv_q8_0_norm_limbs(out, dw, cuda.to_device(x), (xn, cuda.to_device(nw), 1e-6),
-                                       limbs=limbs, name="test fused limbs")
-        got = out.copy_to_host()
-        assert rel_err(got, ref) <= 1e-5, step
-        ref_n = np.empty((1, N))
-        rmsnorm_ref(ref_n, got.astype(np.float64), nw.astype(np.float64), 1e-6, True)
-        assert rel_err(xn.copy_to_host(), ref_n) <= 1e-5, step
-        assert (xl is not None) == limbs
-        if limbs:
-            again_n = poisoned((1, N))
-            again = gemv.q8_0_limbs(out, norm=(again_n, cuda.to_device(nw), 1e-6),
-                                    name="test fused limbs, again")
-            assert np.array_equal(xn.copy_to_host(), again_n.copy_to_host()), step
-            assert np.array_equal(xl.copy_to_host(), again.copy_to_host()), step
-
-
 def test_dp4a_kernel_on_limbs_of_a_row_per_id():
     """gemv_q8_0(limbs=, ids): row t of the limbs is token t's x (attn_output_a: a group's
     rows of o against that group's weights), the dp4a kernel alone, against NumPy."""

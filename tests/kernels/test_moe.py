@@ -184,38 +184,6 @@ def test_broadcast_rows_copies_x(T, R):
 
 
 # ---- the decode sublayer ---------------------------------------------------------------------
-@pytest.mark.parametrize("E,D,use_hash", [(64, 256, 0), (33, 64, 0), (40, 128, 1)])
-def test_router_and_routing_in_one_launch(E, D, use_hash):
-    """router_route: the router's F16 GEMV with the routing in its last block, against
-    gemv + route: the logits to float rounding, the same experts in the same order, the
-    weights to rounding; called twice, so the done counter must have been set back (E = 33: a
-    last block with one row; use_hash: tid2eid's picks, weighted by the logits)."""
-    from pocketfm.kernels.gemv import gemv
-
-    rng = fresh_rng()
-    k = 6
-    gate_inp = pack_weight(random_blocks(GGMLType.F16, (E, D), rng, 0.3), GGMLType.F16, E, D)
-    assert moe.takes_router_route(gate_inp, k)
-    dw = gate_inp.to_device()
-    _, bias, tid2eid, _ = _route_inputs(rng, 1, E, k)
-    d_bias, d_tid2eid = cuda.to_device(bias), cuda.to_device(tid2eid)
-    for step in range(2):
-        x = rng.standard_normal((1, D)).astype(np.float32)
-        token = rng.integers(0, tid2eid.shape[0], 1).astype(np.int32)
-        d_x, d_token = cuda.to_device(x), cuda.to_device(token)
-        got = [cuda.to_device(np.full((1, k), -7, np.int32)), poisoned((1, k)),
-               poisoned((1, E))]
-        moe.router_route(*got, dw, d_x, d_bias, d_tid2eid, d_token, use_hash, 1.5, 1)
-        want = [cuda.to_device(np.full(k, -7, np.int32)), poisoned(k), poisoned((1, E))]
-        gemv(want[2], dw, d_x)
-        moe.route(want[0], want[1], want[2].reshape(E), d_bias, d_tid2eid, d_token, use_hash,
-                  1.5, 1, threads=THREADS)
-        ids, w, logits = (a.copy_to_host().reshape(-1) for a in got)
-        assert rel_err(logits, want[2].copy_to_host().reshape(-1)) <= 1e-5, step
-        assert np.array_equal(ids, want[0].copy_to_host()), step
-        assert rel_err(w, want[1].copy_to_host()) <= 1e-5, step
-
-
 def _weights(rng, D, F, E, routed=(GGMLType.Q8_0, GGMLType.Q8_0), shared=GGMLType.Q8_0):
     """Host QWeights of a tiny MoE, ds4's type mix by default: F16 router, Q8_0 experts."""
     def w(qtype, experts, N, K, std):
@@ -269,8 +237,7 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
         moe.moe_layer(out, d_x, bias=d_bias, tid2eid=d_tid2eid, token=d_token, scratch=scratch,
                       threads=THREADS, side=side, side_x=side_x,
                       imma_gate_up=step.get("imma", False),
-                      imma_down=step.get("imma_down", False),
-                      route_in_router=step.get("route_in_router", False), **d, **layer)
+                      imma_down=step.get("imma_down", False), **d, **layer)
         cuda.synchronize()
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
@@ -291,15 +258,13 @@ def test_moe_layer_matches_ref_q8_0():
     """ds4's types for the small matrices: F16 router, Q8_0 experts. Clamp 1 bites (the
     projections have std ~2.4); equal clamps take the single SwiGLU launch over k + 1 rows, and
     with a side stream the shared expert's own chain (concurrent on a GPU); without ``out``
-    the output left in parts (no combine launch), summed here; the routing in the router's
-    launch (route_in_router)."""
+    the output left in parts (no combine launch), summed here."""
     rng = fresh_rng()
     D, F, E, k = 64, 32, 8, 2
     _check_moe_layer(rng, _weights(rng, D, F, E), D, F, E, k,
                      [dict(clamp=1.0, clamp_shared=1.0),
                       dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True),
-                      dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True, parts=True),
-                      dict(clamp=1.0, clamp_shared=1.0, fused=True, route_in_router=True)])
+                      dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True, parts=True)])
 
 
 def test_moe_layer_hash_two_steps_split_clamps_f32():
