@@ -217,6 +217,19 @@ def test_the_spread_u_block_changes_the_logits_by_rounding_only(layers, bound):
     assert np.array_equal(logits["gram"], logits["combine launch"])
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the split attention)")
+def test_the_split_attention_prefetching_its_next_tile_changes_no_logit():
+    """The CUDA-core split attention (CSA, window-only layers) loading its next tile's words
+    while it scores this one, against loading each tile after the last: the same values into
+    the same arithmetic, so the same logits bit for bit; and at 1 tile a split (more splits:
+    other sums in the combine) to rounding."""
+    logits = _flash_4_layer_logits({"prefetch": dict(attn_prefetch=True),
+                                    "no prefetch": dict(attn_prefetch=False),
+                                    "1 tile": dict(attn_prefetch=True, attn_split_tiles=1)})
+    assert np.array_equal(logits["prefetch"], logits["no prefetch"])
+    assert _rel(logits["1 tile"], logits["prefetch"]) <= 5e-3
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
 @pytest.mark.parametrize("layers, bound", [(1, 1e-4), (4, 5e-3)])
 def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only(layers, bound):

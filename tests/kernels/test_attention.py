@@ -84,6 +84,34 @@ def test_the_split_kernel_prefetching_the_next_tile_changes_nothing(hca, tiles):
     assert rel_err(got[True], ref) <= 1e-4
 
 
+@pytest.mark.parametrize("P", [3, 20, 34, 64])
+def test_the_combine_merges_the_split_partials_with_the_sink(P):
+    """The combine alone against the merge in float64: w_p = exp(m_p - M), out = Σ w_p acc_p
+    / (Σ w_p l_p + exp(z - M)); one split empty (max -inf, sum 0); P below, at and past a
+    16-load batch, up to MAX_SPLITS; K = 192 (the second block's threads past K write
+    nothing)."""
+    from pocketfm.kernels import device
+
+    rng = fresh_rng()
+    H, K = 3, 192
+    part = np.zeros((P, H, K + 2), np.float32)
+    part[:, :, :K] = rng.normal(size=(P, H, K))
+    part[:, :, K] = rng.normal(size=(P, H)) * 3
+    part[:, :, K + 1] = rng.uniform(0.5, 4.0, size=(P, H))
+    part[P // 2, :, :K], part[P // 2, :, K], part[P // 2, :, K + 1] = 0.0, -np.inf, 0.0
+    sinks = rng.normal(size=H).astype(np.float32)
+    m = part[:, :, K].astype(np.float64)
+    M = np.maximum(m.max(axis=0), sinks)
+    w = np.exp(m - M)
+    den = (w * part[:, :, K + 1]).sum(axis=0) + np.exp(sinks - M)
+    ref = np.einsum("ph,phk->hk", w, part[:, :, :K].astype(np.float64)) / den[:, None]
+    out = cuda.to_device(np.full((H, K), np.nan, np.float32))
+    at._attention_combine[(2, H), at.COMBINE_THREADS](
+        out, cuda.to_device(part), cuda.to_device(sinks), device.empty_vector(np.int32),
+        device.empty_vector(np.float64))
+    assert rel_err(out.copy_to_host(), ref) <= 1e-6
+
+
 def test_attention_decode_sink_dominates():
     """A huge sink takes almost all the mass: the output shrinks towards 0 like the reference."""
     rng = fresh_rng()
