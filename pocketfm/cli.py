@@ -343,7 +343,8 @@ def inspect(path, all_keys):
                    "x limbs a thread a chunk; the q_a norm as its own launch; the indexer's "
                    "scores a warp per 16 heads; the top-k counting its first digit; out_a's "
                    "limbs as their own launch; the routed gate+up on dp4a instead of the int8 "
-                   "tensor cores) or try a candidate (the q_a norm folded on every layer; the "
+                   "tensor cores; the split attention without its next tile's prefetch, or "
+                   "at 4 or 1 tiles a split) or try a candidate (the q_a norm folded on every layer; the "
                    "indexer query's Hadamard a warp a vector; the routed down on the int8 "
                    "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
                    "process.")

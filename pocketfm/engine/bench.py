@@ -247,7 +247,8 @@ def _decode_variants() -> dict:
     first; the dp4a GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's limbs off the
     CSA layers; the indexer's scores by one warp holding every head, and the top-k's first digit
     counted by it; out_a's limbs made by the attention's combine; the routed gate+up on
-    imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV) or try a candidate (the q_a
+    imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV; the split attention's next
+    tile loaded while it scores this one, and its 2 tiles a split) or try a candidate (the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
