@@ -338,6 +338,9 @@ class DecodeEngine:
                             stream=s2, threads=nt, rowmap=rowmap)
         gemv(self.cq, L.q_a, u, None, s, threads=nt)
         limbs = None  # q_b's x as int8 limbs, made with the q_a norm in one launch (dp4a q_b)
+        # (on the CSA layers, the norm made by its two readers instead, idx_q_b's GEMV and q_b's
+        # limbs, measured nil a step: the indexer's path then waits on its keys' side stream;
+        # H100, 2026-12-06 (o))
         fold = self.fold_q_a_norm is True or (self.fold_q_a_norm == "non-csa"
                                                 and not cfg.is_csa(i))
         if fold and takes_limbs(L.q_b, norm=True):
@@ -350,8 +353,10 @@ class DecodeEngine:
         else:
             gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
         q2 = self.q.reshape(H, K)
+        # the weightless per-head norm, then RoPE (on the HCA layers made by the tensor-core
+        # attention as it loads q instead: +0.4% a step, its build spills; H100, 2026-12-06 (o))
         rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
-                     threads=nt, **sim)  # the weightless per-head norm, then RoPE
+                     threads=nt, **sim)
         if cfg.is_csa(i):
             self._indexer(i, L, c)
         if self.branches:
