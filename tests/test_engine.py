@@ -42,6 +42,23 @@ def test_decode_engine_matches_numpy_forward(micro_path):
     assert eng.read_ids(0, len(PROMPT)).tolist() == PROMPT
 
 
+def test_the_stream_candidates_step_as_landed(micro_path):
+    """HC pre's post + comb on a stream of their own and the compressor on a branch of its own
+    (candidates; concurrency itself is a GPU test): the same logits at a CSA + HCA entry
+    position (4, 8: the compressors emit) as the landed streams, step after step."""
+    eng = load(micro_path, device="cuda").engine(len(PROMPT))
+    logits = {}
+    for name, values in {"landed": {}, "candidates": dict(
+            post_own_stream=True, compressor_own_stream=True)}.items():
+        with eng.settings(**values):
+            eng.start(PROMPT)
+            logits[name] = []
+            for _ in range(len(PROMPT)):
+                eng.step()
+                logits[name].append(eng.read_logits())
+    assert np.array_equal(np.array(logits["landed"]), np.array(logits["candidates"]))
+
+
 def test_chunked_prefill_then_decode_matches_numpy_forward(micro_path):
     """Chunks of 5 then 3 tokens (the second shorter than the buffers), then decode: the first
     chunk leaves a wrapped ring, a CSA entry and half-filled compressor states to the second,
@@ -118,11 +135,12 @@ def test_engine_with_memory_indexer_matches_numpy(micro_path, tmp_path, mode):
     assert got.extra["resident_fraction"] == ref.extra["resident_fraction"] < 1.0
 
 
-def _flash_4_layer_logits(variants: dict, layers: int = 4) -> dict:
+def _flash_4_layer_logits(variants: dict, layers: int = 4, graph: bool = False) -> dict:
     """The flash geometry's first 4 layers (window-only, CSA: q_b on its side stream, HCA;
     synthetic weights in the ds4 type mix, caches filled to 4,096: 1,024 indexer keys, more
     than the top-k's 512): one eager step's logits under each DecodeEngine.settings variant
-    (``layers``: the first 1 .. 4 of those only)."""
+    (``layers``: the first 1 .. 4 of those only; ``graph``: then the step captured and
+    replayed at the same position, its logits)."""
     from pocketfm.engine.bench import fill_caches
     from pocketfm.engine.decode import DecodeEngine
     from pocketfm.engine.synthetic_weights import SyntheticSource
@@ -140,6 +158,9 @@ def _flash_4_layer_logits(variants: dict, layers: int = 4) -> dict:
         with eng.settings(**values):
             eng.set_position(4096)
             eng.step(graph=False)
+            for _ in range(2 if graph else 0):  # the graph's eager warm-up, then its
+                eng.set_position(4096)  # capture and replay: every step at the same position
+                eng.step()
             logits[name] = eng.read_logits()
     return logits
 
@@ -228,6 +249,20 @@ def test_the_split_attention_prefetching_its_next_tile_changes_no_logit():
                                     "1 tile": dict(attn_prefetch=True, attn_split_tiles=1)})
     assert np.array_equal(logits["prefetch"], logits["no prefetch"])
     assert _rel(logits["1 tile"], logits["prefetch"]) <= 5e-3
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (concurrent branches)")
+def test_the_stream_candidates_change_no_logit():
+    """HC pre's post + comb on a stream of their own, the compressor on a branch of its own:
+    the same launches on other streams, joined before their readers, so the same logits bit
+    for bit, eager and replayed from the captured graph (where the branches run at once)."""
+    variants = {"landed": {}, "post": dict(post_own_stream=True),
+                "both": dict(post_own_stream=True, compressor_own_stream=True)}
+    eager = _flash_4_layer_logits(variants)
+    graph = _flash_4_layer_logits(variants, graph=True)
+    for name in ("post", "both"):
+        assert np.array_equal(eager[name], eager["landed"]), name
+        assert np.array_equal(graph[name], graph["landed"]), name
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")

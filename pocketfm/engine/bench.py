@@ -281,7 +281,10 @@ def _decode_variants() -> dict:
             "the split attention loading each tile after the last (no prefetch)": dict(
                 attn_prefetch=False),
             "the split attention at 4 tiles a split": dict(attn_split_tiles=4),
-            "the split attention at 1 tile a split": dict(attn_split_tiles=1)}
+            "the split attention at 1 tile a split": dict(attn_split_tiles=1),
+            "HC post + comb on a stream of their own (candidate)": dict(post_own_stream=True),
+            "the compressor on a branch of its own (candidate)": dict(compressor_own_stream=True),
+            "both stream candidates": dict(post_own_stream=True, compressor_own_stream=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -139,6 +139,14 @@ class DecodeEngine:
         # runs beside the routed ones on ``side``.
         self.side, self.branches = device.SideStream(), True
         self.side_q, self.side_idx = device.SideStream(), device.SideStream()
+        # candidates: HC pre's post + Sinkhorn comb (one thread's ~17.5 µs under ncu, H100,
+        # 2026-12-06 (o)) on a stream of their own, where on ``side`` they delay the kv entry
+        # and the compressor (or the shared expert) forked after them: on the HCA layers that
+        # branch then ends ~15 µs after the query (ncu times in a row), so the attention waits
+        # for it; and the compressor on a branch of its own beside the kv entry's
+        self.side_post, self.side_comp = device.SideStream(), device.SideStream()
+        self.post_own_stream = False
+        self.compressor_own_stream = False
         # the q_a norm inside q_b's x preparation, where q_b takes the dp4a kernel (one launch
         # fewer on the query's path), on the layers without an indexer ("non-csa"): there q_b
         # is on the path; on CSA layers it runs beside the indexer, whose path the fold would
@@ -207,8 +215,9 @@ class DecodeEngine:
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
-        attn_prefetch, attn_split_tiles) set while inside, as they were after it; the step is
-        captured anew under each (an A/B of the step; an unknown name raises AttributeError)."""
+        attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream) set while
+        inside, as they were after it; the step is captured anew under each (an A/B of the
+        step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -298,6 +307,12 @@ class DecodeEngine:
             argmax(self.next_token, self.logits.reshape(cfg.vocab), s, threads=nt)
         sk.end_step(self.meta, self.ids, self.next_token, s)
 
+    def _post_side(self):
+        """The stream of HC pre's post + comb (None: the one stream)."""
+        if not self.branches:
+            return None
+        return self.side_post if self.post_own_stream else self.side
+
     def _hc_pre_forms(self) -> dict:
         """hc_pre's kernel choices under this engine's settings (both sublayers')."""
         return dict(u_threads=self.hc_u_threads, u_prefetch=self.hc_u_prefetch,
@@ -310,9 +325,9 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u = self.u_norm
-        side = self.side if self.branches else None  # post + comb beside u (joined below)
+        pside = self._post_side()  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
-               threads=nt, side=side, norm=(u, L.attn_norm), post_from=post_from,
+               threads=nt, side=pside, norm=(u, L.attn_norm), post_from=post_from,
                **self._hc_pre_forms(), **sim)  # u = attn_norm(HC pre)
         if self.mem is not None:  # a retriever target layer's x (§2 of flashmemory.md)
             self.mem.snapshot(i, u, s, nt)
@@ -325,7 +340,9 @@ class DecodeEngine:
         rmsnorm_rope(kv3, kv3, L.kv_norm, eps, True, self.pos, L.freqs, s2, threads=nt, **sim)
         kv_pack(self.kv_row, self.kv, R, stream=s2, threads=nt, **sim)  # FP8 + the 584 B entry
         sk.store_row(c.window, self.kv_row, self.meta, s2)
+        comp_own = self.branches and self.compressor_own_stream and c.ratio
         if c.ratio:
+            s2 = self.side_comp.fork(s) if comp_own else s2
             a, g = self.comp_in[c.state_kv.shape[1]]
             gemv(a, L.comp_kv, u, None, s2, threads=nt)
             gemv(g, L.comp_gate, u, None, s2, threads=nt)
@@ -363,6 +380,10 @@ class DecodeEngine:
             if sq is not s:
                 self.side_q.join(s)
             self.side.join(s)
+            if comp_own:
+                self.side_comp.join(s)
+            if pside is not self.side:
+                pside.join(s)
         scale = 1.0 / math.sqrt(K)
         back = (self.pos, L.freqs)  # the output's inverse RoPE, inside the combine
         if cfg.is_csa(i):
@@ -441,14 +462,15 @@ class DecodeEngine:
         own HC post's inputs (as _attention)."""
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]
         nt, sim = self.nt, self.sim
-        side = self.side if self.branches else None  # post + comb beside u and the MoE
+        side = self.side if self.branches else None  # the shared expert beside the routed ones
+        pside = self._post_side()  # post + comb beside u and the MoE
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
-               cfg.hc_iters, s, threads=nt, side=side, norm=(self.u_norm, L.ffn_norm),
+               cfg.hc_iters, s, threads=nt, side=pside, norm=(self.u_norm, L.ffn_norm),
                post_from=post_from, **self._hc_pre_forms(), **sim)
         # the output in parts where the next layer's HC pre adds them (not before the head)
         parts = (self.moe_parts and i + 1 < cfg.n_layers and L.shared_gate_up is not None
                  and self.moe.k + 1 <= MAX_PARTS
-                 and gram_path(X, side, self.u_norm, self.hc_u_gram, **sim))
+                 and gram_path(X, pside, self.u_norm, self.hc_u_gram, **sim))
         out = None if parts else self.f
         moe_layer(out, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
                   int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
@@ -458,6 +480,8 @@ class DecodeEngine:
                   imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
+            if pside is not side:
+                pside.join(s)
         f = self.moe.parts if parts else self.f
         return f, X, self.post, self.comb  # made by the next HC pre (or before the head)
 
