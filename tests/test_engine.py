@@ -265,6 +265,16 @@ def test_the_stream_candidates_change_no_logit():
         assert np.array_equal(graph[name], graph["landed"]), name
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (gemv(norm=))")
+def test_the_q_a_norm_in_its_readers_changes_the_logits_by_rounding_only():
+    """The CSA layer's q_a norm made by the idx_q_b GEMV and by q_b's limbs (the indexer's
+    weights on a branch of their own): the same norm summed in another order, so the logits
+    agree to rounding, amplified by the next layers' picks (H100, 2026-12-06, without the
+    weights' branch: within 5e-3, the test of its first form)."""
+    logits = _flash_4_layer_logits({"launch": {}, "readers": dict(q_a_norm_in_readers=True)})
+    assert _rel(logits["readers"], logits["launch"]) <= 5e-3
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
 @pytest.mark.parametrize("layers, bound", [(1, 1e-4), (4, 5e-3)])
 def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only(layers, bound):

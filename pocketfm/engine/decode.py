@@ -41,7 +41,7 @@ from ..kernels.attention import attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
-                            simulator_prefers_rows, takes_limbs)
+                            simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
@@ -147,6 +147,16 @@ class DecodeEngine:
         self.side_post, self.side_comp = device.SideStream(), device.SideStream()
         self.post_own_stream = False
         self.compressor_own_stream = False
+        # candidate: on the CSA layers the q_a norm made by both its readers, the idx_q_b GEMV
+        # (gemv(norm=): each warp normalises the x it holds) and q_b's limbs on the side stream
+        # (q8_0_limbs(norm=)), no RMSNorm launch on the indexer's path (5.5 µs alone, ncu,
+        # H100); and the indexer's head weights (idx_proj, its scale) on a branch of their own
+        # (``side_w``) beside its keys'. The norm alone measured nil (6.954 against 6.954 ms,
+        # H100, 2026-12-06 (o)): the indexer's path then waited on its keys' branch (~26 µs of
+        # kernels after u, against the ~27 left on the main stream); with the weights apart
+        # that branch is ~17.5
+        self.side_w = device.SideStream()
+        self.q_a_norm_in_readers = False
         # the q_a norm inside q_b's x preparation, where q_b takes the dp4a kernel (one launch
         # fewer on the query's path), on the layers without an indexer ("non-csa"): there q_b
         # is on the path; on CSA layers it runs beside the indexer, whose path the fold would
@@ -215,9 +225,9 @@ class DecodeEngine:
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
-        attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream) set while
-        inside, as they were after it; the step is captured anew under each (an A/B of the
-        step; an unknown name raises AttributeError)."""
+        attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
+        q_a_norm_in_readers) set while inside, as they were after it; the step is captured
+        anew under each (an A/B of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -355,16 +365,20 @@ class DecodeEngine:
                             stream=s2, threads=nt, rowmap=rowmap)
         gemv(self.cq, L.q_a, u, None, s, threads=nt)
         limbs = None  # q_b's x as int8 limbs, made with the q_a norm in one launch (dp4a q_b)
-        # (on the CSA layers, the norm made by its two readers instead, idx_q_b's GEMV and q_b's
-        # limbs, measured nil a step: the indexer's path then waits on its keys' side stream;
-        # H100, 2026-12-06 (o))
         fold = self.fold_q_a_norm is True or (self.fold_q_a_norm == "non-csa"
                                                 and not cfg.is_csa(i))
+        idx_x = (self.cq_norm, None)  # the idx_q_b GEMV's x, and the norm it makes of it
+        in_readers = self._q_a_norm_in_readers(i, L)
         if fold and takes_limbs(L.q_b, norm=True):
             limbs = q8_0_limbs(self.cq, s, norm=(self.cq_norm, L.q_a_norm, eps), name="q_b limbs")
+        elif in_readers:
+            idx_x = (self.cq, (L.q_a_norm, eps))
         else:
             rmsnorm(self.cq_norm, self.cq, L.q_a_norm, eps, True, s, threads=nt, **sim)
         sq = self.side_q.fork(s) if self.branches and cfg.is_csa(i) else s  # beside the indexer
+        if in_readers and limbs is None:  # (q_b's limbs with the norm, beside the indexer)
+            limbs = q8_0_limbs(self.cq, sq, norm=(self.cq_norm, L.q_a_norm, eps),
+                               name="q_b limbs")
         if limbs is not None:
             gemv_q8_0(self.q.reshape(1, H * K), L.q_b, None, stream=sq, threads=nt, limbs=limbs)
         else:
@@ -375,7 +389,7 @@ class DecodeEngine:
         rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
                      threads=nt, **sim)
         if cfg.is_csa(i):
-            self._indexer(i, L, c)
+            self._indexer(i, L, c, idx_x)
         if self.branches:
             if sq is not s:
                 self.side_q.join(s)
@@ -423,19 +437,30 @@ class DecodeEngine:
         compressor_step(c.index_kv, c.index_score, ia.reshape(2 * DI), ig.reshape(2 * DI),
                         L.idx_ape, self.pos, c.ratio, True, L.idx_norm, L.freqs, cfg.rms_eps,
                         MODE_INDEX_FP4, None, keys, stream=s, threads=nt, rowmap=rowmap)
+        if self.branches and self._q_a_norm_in_readers(i, L):  # (a branch of their own)
+            s = self.side_w.fork(self.stream)
         gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
         sk.scale(self.idx_w, index_weight_scale(cfg), s)
 
-    def _indexer(self, i: int, L, c) -> None:
-        """The indexer's query, then (its keys and weights joined) the scores and the top-k."""
+    def _q_a_norm_in_readers(self, i: int, L) -> bool:
+        """Whether layer i's q_a norm is made by its readers (see q_a_norm_in_readers)."""
+        return bool(self.q_a_norm_in_readers and self.cfg.is_csa(i) and takes_norm(L.idx_q_b)
+                    and takes_limbs(L.q_b, norm=True))
+
+    def _indexer(self, i: int, L, c, idx_x) -> None:
+        """The indexer's query, then (its keys and weights joined) the scores and the top-k.
+        idx_x: (the idx_q_b GEMV's x, None or the norm the GEMV makes of it: (weight, eps))."""
         cfg, s = self.cfg, self.stream
         nt, sim = self.nt, self.sim
         HI, DI = cfg.index_heads, cfg.index_dim
-        gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, self.cq_norm, None, s, threads=nt)
+        x, norm = idx_x
+        gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, x, None, s, threads=nt, norm=norm)
         hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt, rope=(self.pos, L.freqs),
                      warp=self.hadamard_warp, **sim)  # RoPE, rotation, FP4: one launch
         if self.branches:
             self.side_idx.join(s)
+            if self._q_a_norm_in_readers(i, L):
+                self.side_w.join(s)
         swapped = self.swap is not None and i in self.swap.krank
         n = self.n_comp[c.ratio]
         scores = self.scores[:max(1, self.capacity // c.ratio)]

@@ -536,12 +536,16 @@ def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, S
                 sv[i * CPL + j] = np.float32(_ld(ws, row * ks + c // CPS))
 
 
-def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, **opts):
+def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm: bool = False,
+                   **opts):
     """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
     16-byte chunks of its warp's K-slice and holds their x; R rows per warp per step. The next
     step's loads are issued before this step's math (registers double-buffered), so a warp
     always has loads in flight. ``int8`` (Q8_0 only): dp4a on three int8 limbs of x, which
-    x then holds: int32 [T, K / 16 * XLW] from ``_q8_0_x_limbs``."""
+    x then holds: int32 [T, K / 16 * XLW] from ``_q8_0_x_limbs``. ``norm`` (float types, a
+    warp's K-slice the whole row): x is taken as rmsnorm(x) * nw (nw [K], eps), each warp
+    normalising the x it holds (one warp sum, norm_row's formula): no norm launch before the
+    GEMV (the other kernels take nw and eps and ignore them)."""
     EPW, dq, WDT = ty.epw, ty.dq, ty.wdtype
     EC = 4 * EPW  # elements per 16-byte chunk
     INT8 = int8
@@ -551,9 +555,11 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, **op
     N_PART, N_W, N_S, N_ACC = 2 * 32 * R * B, R * CPL * 4, R * CPL, R * B
     N_XF = 1 if INT8 else B * CPL * EC
     N_XQ, N_XS = (B * CPL * 12, B * CPL * 3) if INT8 else (1, 1)
+    NORM = norm and not int8
 
-    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span):
-        # out [T, N]; wq [E, N, K/EPW]; ws [E, N, K/SB] or dummy; x [T, K]; ids [T] or dummy
+    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span, nw, eps):
+        # out [T, N]; wq [E, N, K/EPW]; ws [E, N, K/SB] or dummy; x [T, K]; ids [T] or dummy;
+        # nw [K] float32, eps: NORM only
         # block = wr_n x wk_n warps: warp (wr, wk) takes row slot wr, K-slice wk of `span` chunks
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         wk, wr = warp % wk_n, warp // wk_n
@@ -596,6 +602,20 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, **op
                 else:
                     for i in range(EC):
                         xf[sl * EC + i] = x[t0 + b, c * EC + i] if ok else np.float32(0)
+        if NORM:  # (wk_n = 1: the warp's lanes hold the whole row of each token)
+            for b in range(B):
+                ss = np.float32(0)
+                for j in range(CPL):
+                    for i in range(EC):
+                        v = xf[(b * CPL + j) * EC + i]
+                        ss += v * v
+                tot = warp_sum(ss, scratch)
+                inv = np.float32(1.0 / math.sqrt(tot / K + eps))
+                for j in range(CPL):
+                    c = min(c0 + j * 32, nchunk - 1)
+                    for i in range(EC):
+                        sl = (b * CPL + j) * EC + i
+                        xf[sl] = xf[sl] * inv * nw[c * EC + i]
         p = 0
         while g < ngroups:  # persistent blocks: grid-stride over groups of wr_n * R rows
             n0 = (g * wr_n + wr) * R
@@ -647,7 +667,8 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, **op
                         out[t0 + b, n] = s
                 p ^= 1
             g += cuda.gridDim.x
-    return _named(k, f"_gemv_{ty.name}_{'dp4a' if INT8 else 'xregs'}_prefetch_splitk_b{B}", **opts)
+    form = "dp4a" if INT8 else "xregs_norm" if NORM else "xregs"
+    return _named(k, f"_gemv_{ty.name}_{form}_prefetch_splitk_b{B}", **opts)
 
 
 TK = 32  # K step of the tiled GEMM (one Q8_0 block)
@@ -771,6 +792,7 @@ class _Kernels(NamedTuple):
     decode: dict  # B -> kernel
     batched: object
     dp4a: object  # Q8_0, B = 1: the int8 decode kernel (None for the float types)
+    norm: object  # float types, B = 1: the decode kernel normalising its x (None for Q8_0)
 
 
 _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
@@ -778,7 +800,9 @@ _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
                                 for B in range(1, DECODE_MAX_TOKENS + 1)},
                                _batched_kernel(ty, GEMM_MICRO, GEMM_MICRO),
                                _decode_kernel(ty, 1, 2, 4, int8=True, max_registers=DP4A_REGS)
-                               if ty is _Q8_0 else None)
+                               if ty is _Q8_0 else None,
+                               None if ty is _Q8_0 else
+                               _decode_kernel(ty, 1, *_decode_shape(ty, 1), norm=True))
             for ty in (_F32, _F16, _BF16, _Q8_0)}
 _TYPES = {ty.qtype: ty for ty in (_F32, _F16, _BF16, _Q8_0)}
 _ROWS = {ty.qtype: _thread_per_row_kernel(ty) for ty in (_F32, _F16, _BF16, _Q8_0)}
@@ -789,12 +813,14 @@ _STATE: dict = {}
 
 
 def _dummies():
-    """(ids int32 [1], scales float16 [1, 1, 1]): stand-ins for absent arguments, allocated once
-    so a launch allocates nothing (and can be captured in a CUDA graph)."""
+    """(ids int32 [1], scales float16 [1, 1, 1], norm weight float32 [1]): stand-ins for absent
+    arguments, allocated once so a launch allocates nothing (and can be captured in a CUDA
+    graph)."""
     if "ids" not in _STATE:
         _STATE["ids"] = cuda.to_device(np.zeros(1, np.int32))
         _STATE["scale"] = cuda.to_device(np.zeros((1, 1, 1), np.float16))
-    return _STATE["ids"], _STATE["scale"]
+        _STATE["norm"] = cuda.to_device(np.zeros(1, np.float32))
+    return _STATE["ids"], _STATE["scale"], _STATE["norm"]
 
 
 def simulator_prefers_rows(on: bool = True) -> None:
@@ -815,19 +841,24 @@ def _wave(kern, args, threads: int, rows: int) -> int:
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None,
-            limbs=None):
+            limbs=None, norm=None):
     """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched" / "mma") and
     ``split_k`` (decode: warps per row; batched: K splits) override the choice; tests use them
-    to reach every path. ``limbs``: x's limbs already made (q8_0_limbs): the dp4a kernel alone."""
+    to reach every path. ``limbs``: x's limbs already made (q8_0_limbs): the dp4a kernel alone.
+    ``norm`` (nw [K] float32, eps): W · (rmsnorm(x) * nw), the norm made by the decode kernel
+    (takes_norm must hold)."""
     if limbs is not None:  # (with ids: row t of the limbs is token t, as x's would be)
         assert x is None and ty is _Q8_0
         method = "dp4a"
+    if norm is not None:
+        assert takes_norm(w, x.shape[0], ids) and method in (None, "decode"), "takes_norm"
+        method = "decode"
     T = x.shape[0] if limbs is None else limbs.shape[0]
     K = x.shape[1] if limbs is None else limbs.shape[1] // XLW * 16
     assert w.qtype == ty.qtype and K == w.cols and out.shape == (T, w.rows)
     N = w.rows
     kern = _KERNELS[ty.qtype]
-    ids_dummy, scale_dummy = _dummies()
+    ids_dummy, scale_dummy, norm_dummy = _dummies()
     ws = w.planes[1] if ty.sblock else scale_dummy
     per_token = 0 if ids is None else 1
     ids_arg = ids_dummy if ids is None else ids
@@ -860,8 +891,10 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         wr_n = max(1, (threads or 128) // (32 * wk_n))
         nt = 32 * wk_n * wr_n
         groups, rows = cdiv(N, wr_n * R), T // B
-        k = kern.decode[B]
-        args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span)
+        k = kern.decode[B] if norm is None else kern.norm
+        nw, eps = (norm_dummy, 0.0) if norm is None else norm
+        args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span, nw,
+                np.float32(eps))
         if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
             method = "dp4a"
         if method == "dp4a":  # x -> int8 limbs once (unless made already), then the GEMV
@@ -962,9 +995,23 @@ def gemv_ref(out, w: QWeight, x, ids=None) -> None:
     _by_type(w.qtype, "gemv_{}_ref")(out, w, x, ids)
 
 
-def gemv(out, w: QWeight, x, ids=None, stream=0, threads=None) -> None:
-    """Launch the GEMV / GEMM for ``w``'s type (device arrays only)."""
-    _by_type(w.qtype, "gemv_{}")(out, w, x, ids, stream=stream, threads=threads)
+def gemv(out, w: QWeight, x, ids=None, stream=0, threads=None, norm=None) -> None:
+    """Launch the GEMV / GEMM for ``w``'s type (device arrays only). ``norm`` (nw [K], eps):
+    of rmsnorm(x) * nw instead of x, made by the GEMV itself (takes_norm must hold)."""
+    how = {} if norm is None else {"norm": norm}
+    _by_type(w.qtype, "gemv_{}")(out, w, x, ids, stream=stream, threads=threads, **how)
+
+
+def takes_norm(w: QWeight, T: int = 1, ids=None) -> bool:
+    """Whether gemv(norm=) serves ``w`` for T tokens: a float type (F32 / F16 / BF16), one
+    token, no ids, and a K one warp holds whole (the decode kernel's K-slice); not where the
+    simulator prefers the thread-per-row kernel."""
+    ty = _TYPES.get(w.qtype)
+    if ty is None or ty is _Q8_0 or T != 1 or ids is not None or (
+            SIMULATOR and _STATE.get("sim_rows")):
+        return False
+    EC = 4 * ty.epw
+    return w.cols % EC == 0 and w.cols // EC <= 32 * _decode_shape(ty, 1)[0]
 
 
 # ---- CI lane B and benchmarks --------------------------------------------------------------------
@@ -975,11 +1022,14 @@ def _signatures():
         ks = _KERNELS[ty.qtype]
         yield ks.naive, h + "int64, int64)"
         yield _ROWS[ty.qtype], h + "int64, int64)"
+        tail = "int64, int64, int64, int64, int64, float32[::1], float32)"
         for kd in ks.decode.values():
-            yield kd, h + "int64, int64, int64, int64, int64)"
+            yield kd, h + tail
+        if ks.norm:
+            yield ks.norm, h + tail
         if ks.dp4a:  # x: the prepared limbs
             yield ks.dp4a, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
-                + "int64, int64, int64, int64, int64)"
+                + tail
         yield ks.batched, h.replace("void(float32[:, ::1]", "void(float32[:, :, ::1]") + \
             "int64, int64, int64, int64, int64)"
     yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"

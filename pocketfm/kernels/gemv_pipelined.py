@@ -194,7 +194,7 @@ def gemv_q8_0_pipelined(out, w, xl, ids=None, stream=0, stages: int = STAGES) ->
     wk_n = K // (16 * SPAN)
     nt = 32 * wk_n * max(1, THREADS // (32 * wk_n))
     wr_n = nt // 32 // wk_n
-    ids_dummy, _ = _dummies()
+    ids_dummy = _dummies()[0]
     args = (out, wq, ws, xl, ids_dummy if ids is None else ids, 0 if ids is None else 1, N, K,
             wk_n, SPAN)
     kern = KERNELS[stages]

@@ -144,6 +144,44 @@ def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
     assert words["words"][0, gemv.XLW + 12] == 0  # the zero chunk's scale
 
 
+@pytest.mark.parametrize("name,K", [("f16", 1024), ("bf16", 200), ("f32", 1024)])
+def test_the_decode_kernel_normalising_its_x(name, K, monkeypatch):
+    """gemv(norm=(nw, eps)) = W · (rmsnorm(x) * nw) (float64), each warp normalising the x it
+    holds: V4's idx_q_b shape of K (1024, the most one warp holds for F16 / F32) and a K
+    with a partial last chunk; within rounding of an RMSNorm launch and then the GEMV."""
+    from pocketfm.kernels.norm_rope import rmsnorm
+
+    monkeypatch.setitem(gemv._STATE, "sim_rows", False)
+    rng = fresh_rng()
+    N = 9
+    w, x, _, _ = _case(name, 1, N, K, 1, False, rng)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    xn = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean() + 1e-6) * nw
+    ref = gemv._dense(w)[0].astype(np.float64) @ xn[0]
+    assert gemv.takes_norm(w)
+    dw, dx, dn = w.to_device(), cuda.to_device(x), cuda.to_device(nw)
+    out = poisoned((1, N))
+    gemv.gemv(out, dw, dx, norm=(dn, 1e-6), threads=THREADS)
+    got = out.copy_to_host()
+    assert rel_err(got, ref[None]) <= 1e-5
+    two = poisoned((1, N))
+    normed = poisoned((1, K))
+    rmsnorm(normed, dx, dn, 1e-6, True, threads=THREADS)
+    gemv.gemv(two, dw, normed, threads=THREADS)
+    assert rel_err(got, two.copy_to_host()) <= 1e-5
+
+
+def test_takes_norm_where_one_warp_holds_the_row(monkeypatch):
+    monkeypatch.setitem(gemv._STATE, "sim_rows", False)
+
+    def q(cols, qtype=GGMLType.F16, E=1):
+        return gemv.QWeight(qtype, 64, cols, E, ())
+    assert gemv.takes_norm(q(1024)) and gemv.takes_norm(q(1024, GGMLType.F32))
+    assert not gemv.takes_norm(q(2048))  # two warps a row: neither holds the whole x
+    assert not gemv.takes_norm(q(1024, GGMLType.Q8_0))
+    assert not gemv.takes_norm(q(1024), T=2)
+
+
 def test_takes_limbs_only_for_the_dp4a_kernel(monkeypatch):
     """The decode folds its q_a norm into q_b's limbs only where q_b runs the dp4a kernel."""
     monkeypatch.setitem(gemv._STATE, "sim_rows", False)  # (an engine test may have set it)
