@@ -276,6 +276,15 @@ def test_the_q_a_norm_in_its_readers_changes_the_logits_by_rounding_only():
     assert _rel(logits["readers"], logits["launch"]) <= 5e-3
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the tensor-core attention)")
+def test_q_norm_in_the_hca_attention_changes_the_logits_by_rounding_only():
+    """The HCA layer's q norm + RoPE made by the tensor-core attention as it loads q: the same
+    norm summed in another order, so the logits agree to rounding (H100, 2026-12-06: within
+    5e-3 over 4 layers)."""
+    logits = _flash_4_layer_logits({"launch": {}, "fold": dict(q_norm_in_attention=True)})
+    assert _rel(logits["fold"], logits["launch"]) <= 5e-3
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
 @pytest.mark.parametrize("layers, bound", [(1, 1e-4), (4, 5e-3)])
 def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only(layers, bound):

@@ -254,9 +254,8 @@ def _decode_variants() -> dict:
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
     was dropped; so were the routing in the router GEMV's last block and q_a with its norm and
-    q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06; and q's norm
-    and RoPE in HCA's tensor-core attention and that attention at 8 tiles a split: 6.982 /
-    7.033 against 6.954 ms (o)."""
+    q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06; and HCA's
+    tensor-core attention at 8 tiles a split: 7.033 against 6.954 ms (o)."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
@@ -289,7 +288,9 @@ def _decode_variants() -> dict:
                 q_a_norm_in_readers=True),
             "the three stream candidates": dict(post_own_stream=True,
                                                 compressor_own_stream=True,
-                                                q_a_norm_in_readers=True)}
+                                                q_a_norm_in_readers=True),
+            "q's norm and RoPE in HCA's attention, post + comb apart (candidate)": dict(
+                q_norm_in_attention=True, post_own_stream=True, compressor_own_stream=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

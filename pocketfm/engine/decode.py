@@ -37,7 +37,7 @@ from numba import cuda
 from ..config import ModelConfig
 from ..errors import InputError
 from ..kernels import device
-from ..kernels.attention import attention_decode
+from ..kernels.attention import attention_decode, folds_q_norm_rope
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
@@ -157,6 +157,12 @@ class DecodeEngine:
         # that branch is ~17.5
         self.side_w = device.SideStream()
         self.q_a_norm_in_readers = False
+        # candidate: on the HCA layers q's per-head norm and RoPE made by the tensor-core
+        # attention as it loads q (attention_decode(q_norm_rope=), the prefill's fold) instead
+        # of their launch before it (6.2 µs alone, ncu, H100). +0.4% a step alone (6.982 against
+        # 6.954 ms, H100, 2026-12-06 (o)): its build spills 136 bytes to 72, and the attention
+        # then waited on the side stream anyway; to be measured with post_own_stream
+        self.q_norm_in_attention = False
         # the q_a norm inside q_b's x preparation, where q_b takes the dp4a kernel (one launch
         # fewer on the query's path), on the layers without an indexer ("non-csa"): there q_b
         # is on the path; on CSA layers it runs beside the indexer, whose path the fold would
@@ -226,8 +232,9 @@ class DecodeEngine:
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers) set while inside, as they were after it; the step is captured
-        anew under each (an A/B of the step; an unknown name raises AttributeError)."""
+        q_a_norm_in_readers, q_norm_in_attention) set while inside, as they were after it; the
+        step is captured anew under each (an A/B of the step; an unknown name raises
+        AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -384,10 +391,13 @@ class DecodeEngine:
         else:
             gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
         q2 = self.q.reshape(H, K)
-        # the weightless per-head norm, then RoPE (on the HCA layers made by the tensor-core
-        # attention as it loads q instead: +0.4% a step, its build spills; H100, 2026-12-06 (o))
-        rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
-                     threads=nt, **sim)
+        # the weightless per-head norm, then RoPE; on the HCA layers made by the tensor-core
+        # attention as it loads q instead, where it can (q_norm_in_attention)
+        fold_q = (self.q_norm_in_attention and not sim
+                  and folds_q_norm_rope(int(bool(c.ratio) and not cfg.is_csa(i))))
+        if not fold_q:
+            rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
+                         threads=nt, **sim)
         if cfg.is_csa(i):
             self._indexer(i, L, c, idx_x)
         if self.branches:
@@ -415,7 +425,8 @@ class DecodeEngine:
                                       np.int32)
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
-                         prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles, **sim)
+                         prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
+                         q_norm_rope=(eps, self.pos, L.freqs) if fold_q else None, **sim)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:
