@@ -348,8 +348,8 @@ def inspect(path, all_keys):
                    "layer; the indexer query's Hadamard a warp a vector; the routed down on "
                    "the int8 tensor cores too; HC pre's post + comb on a stream of their own, "
                    "the compressor on a branch of its own; the q_a norm made by its readers; "
-                   "q's norm and RoPE in HCA's attention), each step captured anew, in turn, "
-                   "twice: an A/B in one process.")
+                   "q's norm and RoPE in HCA's attention; out_b's limbs made by out_a), each "
+                   "step captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")

@@ -285,6 +285,14 @@ def test_q_norm_in_the_hca_attention_changes_the_logits_by_rounding_only():
     assert _rel(logits["fold"], logits["launch"]) <= 5e-3
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the dp4a GEMVs)")
+def test_out_b_limbs_made_by_out_a_change_no_logit():
+    """out_b's x limbs made by out_a's GEMV (each block step's 16 rows a chunk) instead of a
+    limbs launch: the same outputs and the same words, so the same logits bit for bit."""
+    logits = _flash_4_layer_logits({"launch": {}, "fused": dict(out_b_limbs_in_out_a=True)})
+    assert np.array_equal(logits["fused"], logits["launch"])
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
 @pytest.mark.parametrize("layers, bound", [(1, 1e-4), (4, 5e-3)])
 def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only(layers, bound):

@@ -290,7 +290,8 @@ def _decode_variants() -> dict:
                                                 compressor_own_stream=True,
                                                 q_a_norm_in_readers=True),
             "q's norm and RoPE in HCA's attention, post + comb apart (candidate)": dict(
-                q_norm_in_attention=True, post_own_stream=True, compressor_own_stream=True)}
+                q_norm_in_attention=True, post_own_stream=True, compressor_own_stream=True),
+            "out_b's limbs made by out_a (candidate)": dict(out_b_limbs_in_out_a=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -41,7 +41,7 @@ from ..kernels.attention import attention_decode, folds_q_norm_rope
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
-                            simulator_prefers_rows, takes_limbs, takes_norm)
+                            simulator_prefers_rows, takes_limbs, takes_limbs_out, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
@@ -163,6 +163,10 @@ class DecodeEngine:
         # 6.954 ms, H100, 2026-12-06 (o)): its build spills 136 bytes to 72, and the attention
         # then waited on the side stream anyway; to be measured with post_own_stream
         self.q_norm_in_attention = False
+        # candidate: out_b's x limbs made by out_a's dp4a GEMV (gemv_q8_0(limbs_out=): its
+        # block steps of 16 rows are one chunk each) instead of a limbs launch between the two
+        # on every layer's path (3.5 µs alone, ncu, H100, 2026-12-06 (o))
+        self.out_b_limbs_in_out_a = False
         # the q_a norm inside q_b's x preparation, where q_b takes the dp4a kernel (one launch
         # fewer on the query's path), on the layers without an indexer ("non-csa"): there q_b
         # is on the path; on CSA layers it runs beside the indexer, whose path the fold would
@@ -232,9 +236,9 @@ class DecodeEngine:
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers, q_norm_in_attention) set while inside, as they were after it; the
-        step is captured anew under each (an A/B of the step; an unknown name raises
-        AttributeError)."""
+        q_a_norm_in_readers, q_norm_in_attention, out_b_limbs_in_out_a) set while inside, as
+        they were after it; the step is captured anew under each (an A/B of the step; an
+        unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -427,11 +431,20 @@ class DecodeEngine:
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
                          q_norm_rope=(eps, self.pos, L.freqs) if fold_q else None, **sim)
+        xb = None  # out_b's x limbs, made by out_a's GEMV (out_b_limbs_in_out_a)
+        if (xo is not None and self.out_b_limbs_in_out_a and takes_limbs_out(L.out_a, G)
+                and takes_limbs(L.out_b)):
+            xb = device.stream_buffer("out_b limbs", s, (1, G * cfg.o_rank // 16 * XLW),
+                                      np.int32)
         if xo is not None:
-            gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
+            gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo,
+                      **({} if xb is None else {"limbs_out": xb}))
         else:
             gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
-        gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
+        if xb is not None:
+            gemv_q8_0(self.f, L.out_b, None, None, s, threads=nt, limbs=xb)
+        else:
+            gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
 
     def _indexer_keys(self, i: int, L, c, s) -> None:
