@@ -160,8 +160,9 @@ class DecodeEngine:
         # candidate: on the HCA layers q's per-head norm and RoPE made by the tensor-core
         # attention as it loads q (attention_decode(q_norm_rope=), the prefill's fold) instead
         # of their launch before it (6.2 µs alone, ncu, H100). +0.4% a step alone (6.982 against
-        # 6.954 ms, H100, 2026-12-06 (o)): its build spills 136 bytes to 72, and the attention
-        # then waited on the side stream anyway; to be measured with post_own_stream
+        # 6.954 ms, H100, 2026-12-06 (o)): its build spills 136 bytes (72 without the fold),
+        # and the attention then waited on the side stream anyway; to be measured with
+        # post_own_stream
         self.q_norm_in_attention = False
         # candidate: out_b's x limbs made by out_a's dp4a GEMV (gemv_q8_0(limbs_out=): its
         # block steps of 16 rows are one chunk each) instead of a limbs launch between the two
