@@ -433,13 +433,13 @@ class DecodeEngine:
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
                          q_norm_rope=(eps, self.pos, L.freqs) if fold_q else None, **sim)
         xb = None  # out_b's x limbs, made by out_a's GEMV (out_b_limbs_in_out_a)
-        if (xo is not None and self.out_b_limbs_in_out_a and takes_limbs_out(L.out_a, G)
+        if (xo is not None and self.out_b_limbs_in_out_a and takes_limbs_out(L.out_a)
                 and takes_limbs(L.out_b)):
             xb = device.stream_buffer("out_b limbs", s, (1, G * cfg.o_rank // 16 * XLW),
                                       np.int32)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo,
-                      **({} if xb is None else {"limbs_out": xb}))
+                      limbs_out=xb)
         else:
             gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         if xb is not None:

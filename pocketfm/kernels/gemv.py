@@ -852,6 +852,11 @@ def simulator_prefers_rows(on: bool = True) -> None:
     _STATE["sim_rows"] = bool(on)
 
 
+def _sim_rows() -> bool:
+    """Whether the simulator's thread-per-row preference (simulator_prefers_rows) is in force."""
+    return SIMULATOR and bool(_STATE.get("sim_rows"))
+
+
 def _wave(kern, args, threads: int, rows: int) -> int:
     """Blocks a grid row of the persistent decode kernel gets: one wave of the compiled kernel
     over all ``rows`` grid rows (2 in the simulator: tests reach the grid-stride loop). With ids
@@ -890,7 +895,7 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
     B = 1 if per_token else T
     EC = 4 * ty.epw
     auto = method is None
-    if auto and SIMULATOR and _STATE.get("sim_rows"):
+    if auto and _sim_rows():
         method = "rows"
     elif auto:
         limit = DECODE_MAX_IDS if per_token else DECODE_MAX_TOKENS
@@ -915,7 +920,7 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         assert K % EC == 0 and span <= 32 * cpl and wk_n <= 32, (K, wk_n)
         wr_n = max(1, (threads or 128) // (32 * wk_n))
         if limbs_out is not None:  # a block step: 16 rows, one chunk of out's limbs
-            assert takes_limbs_out(w, T, K) and split_k is None, "takes_limbs_out"
+            assert takes_limbs_out(w, K) and split_k is None, "takes_limbs_out"
             assert limbs_out.shape == (1, T * N // 16 * XLW), limbs_out.shape
             wr_n = 16 // R
         nt = 32 * wk_n * wr_n
@@ -953,7 +958,7 @@ def takes_limbs(w: QWeight, norm: bool = False, grouped: bool = False) -> bool:
     then its x may come as limbs made beforehand (``q8_0_limbs``, ``gemv_q8_0(limbs=)``);
     ``norm``: limbs made with a norm, too (``q8_0_limbs(norm=)``: K <= NORM_LIMBS_MAX_K);
     ``grouped``: w's experts each take one row of x by ids (attn_output_a's groups)."""
-    if w.qtype != GGMLType.Q8_0 or (SIMULATOR and _STATE.get("sim_rows")):
+    if w.qtype != GGMLType.Q8_0 or _sim_rows():
         return False
     cpl = _decode_shape(_Q8_0, 1)[0]
     K = w.cols
@@ -1032,17 +1037,16 @@ def gemv(out, w: QWeight, x, ids=None, stream=0, threads=None, norm=None) -> Non
     _by_type(w.qtype, "gemv_{}")(out, w, x, ids, stream=stream, threads=threads, **how)
 
 
-def takes_limbs_out(w: QWeight, T: int, K: int | None = None) -> bool:
-    """Whether gemv_q8_0(limbs_out=) serves ``w`` for T rows of x (a token, or one a group):
-    the dp4a kernel with its K split over the warps of a block (the K-slices meet in shared
+def takes_limbs_out(w: QWeight, K: int | None = None) -> bool:
+    """Whether gemv_q8_0(limbs_out=) serves ``w`` (of K columns; one token, or a row of x per
+    id): the dp4a kernel with its K split over the warps of a block (the K-slices meet in shared
     memory, where the block's 16 rows then make one chunk of limbs), rows in whole chunks, and
     at most 1,024 threads a block."""
     K = w.cols if K is None else K
     cpl, R = _decode_shape(_Q8_0, 1)
     wk_n = cdiv(K // 16, 32 * cpl)
     return (w.qtype == _Q8_0.qtype and K % 16 == 0 and 1 < wk_n and 16 % R == 0
-            and 32 * wk_n * (16 // R) <= 1024 and w.rows % 16 == 0
-            and not (SIMULATOR and _STATE.get("sim_rows")))
+            and 32 * wk_n * (16 // R) <= 1024 and w.rows % 16 == 0 and not _sim_rows())
 
 
 def takes_norm(w: QWeight, T: int = 1, ids=None) -> bool:
@@ -1050,8 +1054,7 @@ def takes_norm(w: QWeight, T: int = 1, ids=None) -> bool:
     token, no ids, and a K one warp holds whole (the decode kernel's K-slice); not where the
     simulator prefers the thread-per-row kernel."""
     ty = _TYPES.get(w.qtype)
-    if ty is None or ty is _Q8_0 or T != 1 or ids is not None or (
-            SIMULATOR and _STATE.get("sim_rows")):
+    if ty is None or ty is _Q8_0 or T != 1 or ids is not None or _sim_rows():
         return False
     EC = 4 * ty.epw
     return w.cols % EC == 0 and w.cols // EC <= 32 * _decode_shape(ty, 1)[0]

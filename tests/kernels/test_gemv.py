@@ -138,7 +138,7 @@ def test_dp4a_kernel_making_the_next_gemvs_limbs(E, monkeypatch):
     rng = fresh_rng()
     N, K = 32, 2048
     w, x, ids, ref = _case("q8_0", E, N, K, E, E > 1, rng)
-    assert gemv.takes_limbs_out(w, E) and not gemv.takes_limbs_out(w, E, 1024)
+    assert gemv.takes_limbs_out(w) and not gemv.takes_limbs_out(w, 1024)
     dw, d_ids = w.to_device(), None if ids is None else cuda.to_device(ids)
     xl = gemv.q8_0_limbs(cuda.to_device(x), name="test limbs out, x")
     plain, fused = poisoned((E, N)), poisoned((E, N))
