@@ -344,12 +344,12 @@ def inspect(path, all_keys):
                    "scores a warp per 16 heads; the top-k counting its first digit; out_a's "
                    "limbs as their own launch; the routed gate+up on dp4a instead of the int8 "
                    "tensor cores; the split attention without its next tile's prefetch, or "
-                   "at 4 or 1 tiles a split) or try a candidate (the q_a norm folded on every "
-                   "layer; the indexer query's Hadamard a warp a vector; the routed down on "
-                   "the int8 tensor cores too; HC pre's post + comb on a stream of their own, "
-                   "the compressor on a branch of its own; the q_a norm made by its readers; "
-                   "q's norm and RoPE in HCA's attention; out_b's limbs made by out_a), each "
-                   "step captured anew, in turn, twice: an A/B in one process.")
+                   "at 4 or 1 tiles a split; HC pre's post + comb and the compressor on the "
+                   "side stream; the CSA q_a norm as its own launch, the indexer's weights "
+                   "after its keys) or try a candidate (the q_a norm folded on every layer; "
+                   "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
+                   "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
+                   "process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")

@@ -248,14 +248,19 @@ def _decode_variants() -> dict:
     CSA layers; the indexer's scores by one warp holding every head, and the top-k's first digit
     counted by it; out_a's limbs made by the attention's combine; the routed gate+up on
     imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV; the split attention's next
-    tile loaded while it scores this one, and its 2 tiles a split) or try a candidate (the q_a
+    tile loaded while it scores this one, and its 2 tiles a split; HC pre's post + comb and the
+    compressor on streams of their own, and the CSA q_a norm made by its readers with the
+    indexer's weights on a branch of their own) or try a candidate (the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
     was dropped; so were the routing in the router GEMV's last block and q_a with its norm and
-    q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06; and HCA's
-    tensor-core attention at 8 tiles a split: 7.033 against 6.954 ms (o)."""
+    q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06; and q's norm
+    and RoPE in HCA's tensor-core attention and that attention at 8 tiles a split: 6.982 /
+    7.033 against 6.954 ms (o); the first again with the two streams apart, 8.988 against
+    8.983 ms, and out_b's x limbs made by out_a's GEMV, 9.510 against 9.320 ms (H200, 43
+    layers, 2026-12-06 (p))."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
@@ -281,17 +286,15 @@ def _decode_variants() -> dict:
                 attn_prefetch=False),
             "the split attention at 4 tiles a split": dict(attn_split_tiles=4),
             "the split attention at 1 tile a split": dict(attn_split_tiles=1),
-            "HC post + comb on a stream of their own (candidate)": dict(post_own_stream=True),
-            "the compressor on a branch of its own (candidate)": dict(compressor_own_stream=True),
-            "both stream candidates": dict(post_own_stream=True, compressor_own_stream=True),
-            "the q_a norm in its readers, the indexer's weights apart (candidate)": dict(
-                q_a_norm_in_readers=True),
-            "the three stream candidates": dict(post_own_stream=True,
-                                                compressor_own_stream=True,
-                                                q_a_norm_in_readers=True),
-            "q's norm and RoPE in HCA's attention, post + comb apart (candidate)": dict(
-                q_norm_in_attention=True, post_own_stream=True, compressor_own_stream=True),
-            "out_b's limbs made by out_a (candidate)": dict(out_b_limbs_in_out_a=True)}
+            "HC post + comb on the side stream (before)": dict(post_own_stream=False),
+            "the compressor after the kv entry (before)": dict(compressor_own_stream=False),
+            "both on the side stream (before)": dict(post_own_stream=False,
+                                                     compressor_own_stream=False),
+            "the q_a norm as a launch, the indexer's weights after its keys (before)": dict(
+                q_a_norm_in_readers=False),
+            "the three streams as before": dict(post_own_stream=False,
+                                                compressor_own_stream=False,
+                                                q_a_norm_in_readers=False)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

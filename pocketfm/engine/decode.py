@@ -37,11 +37,11 @@ from numba import cuda
 from ..config import ModelConfig
 from ..errors import InputError
 from ..kernels import device
-from ..kernels.attention import attention_decode, folds_q_norm_rope
+from ..kernels.attention import attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
-                            simulator_prefers_rows, takes_limbs, takes_limbs_out, takes_norm)
+                            simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
@@ -132,42 +132,32 @@ class DecodeEngine:
         self.sim = {"naive": True} if device.SIMULATOR else {}
         # independent parts of a step run on other streams: concurrent branches of the captured
         # graph (``branches = False``: one stream, e.g. to profile). Beside the main stream's
-        # query and indexer: the kv entry + compressor (and HC's post + comb) on ``side``; the
-        # attention heads' q_b + norm + RoPE on ``side_q``, the indexer's keys and head weights
-        # on ``side_idx``, so that the query, the indexer's query and its keys are made at once
-        # (each of these chains is ~20 µs of small launches on a CSA layer). The shared expert
-        # runs beside the routed ones on ``side``.
+        # query and indexer: the kv entry on ``side`` (the compressor and HC's post + comb on
+        # streams of their own, below); the attention heads' q_b + norm + RoPE on ``side_q``,
+        # the indexer's keys on ``side_idx`` (its head weights on ``side_w``), so that the query,
+        # the indexer's query and its keys are made at once (each of these chains is ~20 µs of
+        # small launches on a CSA layer). The shared expert runs beside the routed ones on
+        # ``side``.
         self.side, self.branches = device.SideStream(), True
         self.side_q, self.side_idx = device.SideStream(), device.SideStream()
-        # candidates: HC pre's post + Sinkhorn comb (one thread's ~17.5 µs under ncu, H100,
-        # 2026-12-06 (o)) on a stream of their own, where on ``side`` they delay the kv entry
-        # and the compressor (or the shared expert) forked after them: on the HCA layers that
-        # branch then ends ~15 µs after the query (ncu times in a row), so the attention waits
-        # for it; and the compressor on a branch of its own beside the kv entry's
+        # HC pre's post + Sinkhorn comb (one thread's ~17.5 µs under ncu, H100, 2026-12-06 (o))
+        # on a stream of their own (``side_post``): on ``side`` they delayed the kv entry and the
+        # compressor (or the shared expert) forked after them, and on the HCA layers that branch
+        # ended ~15 µs after the query, the attention waiting for it; and the compressor on a
+        # branch of its own (``side_comp``) beside the kv entry's. H200, 43 layers, --decode-ab:
+        # 8.983 ms with both against 9.320 without, 9.255 / 9.078 with one (2026-12-06 (p))
         self.side_post, self.side_comp = device.SideStream(), device.SideStream()
-        self.post_own_stream = False
-        self.compressor_own_stream = False
-        # candidate: on the CSA layers the q_a norm made by both its readers, the idx_q_b GEMV
+        self.post_own_stream = True
+        self.compressor_own_stream = True
+        # on the CSA layers the q_a norm made by both its readers, the idx_q_b GEMV
         # (gemv(norm=): each warp normalises the x it holds) and q_b's limbs on the side stream
         # (q8_0_limbs(norm=)), no RMSNorm launch on the indexer's path (5.5 µs alone, ncu,
         # H100); and the indexer's head weights (idx_proj, its scale) on a branch of their own
-        # (``side_w``) beside its keys'. The norm alone measured nil (6.954 against 6.954 ms,
-        # H100, 2026-12-06 (o)): the indexer's path then waited on its keys' branch (~26 µs of
-        # kernels after u, against the ~27 left on the main stream); with the weights apart
-        # that branch is ~17.5
+        # (``side_w``) beside its keys', which otherwise bound the indexer's path (~26 µs of
+        # kernels after u, against ~27 on the main stream). H200, 43 layers: 8.891 ms with the
+        # two streams above against 8.983 (9.298 against 9.320 alone, 2026-12-06 (p))
         self.side_w = device.SideStream()
-        self.q_a_norm_in_readers = False
-        # candidate: on the HCA layers q's per-head norm and RoPE made by the tensor-core
-        # attention as it loads q (attention_decode(q_norm_rope=), the prefill's fold) instead
-        # of their launch before it (6.2 µs alone, ncu, H100). +0.4% a step alone (6.982 against
-        # 6.954 ms, H100, 2026-12-06 (o)): its build spills 136 bytes (72 without the fold),
-        # and the attention then waited on the side stream anyway; to be measured with
-        # post_own_stream
-        self.q_norm_in_attention = False
-        # candidate: out_b's x limbs made by out_a's dp4a GEMV (gemv_q8_0(limbs_out=): its
-        # block steps of 16 rows are one chunk each) instead of a limbs launch between the two
-        # on every layer's path (3.5 µs alone, ncu, H100, 2026-12-06 (o))
-        self.out_b_limbs_in_out_a = False
+        self.q_a_norm_in_readers = True
         # the q_a norm inside q_b's x preparation, where q_b takes the dp4a kernel (one launch
         # fewer on the query's path), on the layers without an indexer ("non-csa"): there q_b
         # is on the path; on CSA layers it runs beside the indexer, whose path the fold would
@@ -237,9 +227,8 @@ class DecodeEngine:
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers, q_norm_in_attention, out_b_limbs_in_out_a) set while inside, as
-        they were after it; the step is captured anew under each (an A/B of the step; an
-        unknown name raises AttributeError)."""
+        q_a_norm_in_readers) set while inside, as they were after it; the step is captured
+        anew under each (an A/B of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -396,13 +385,11 @@ class DecodeEngine:
         else:
             gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
         q2 = self.q.reshape(H, K)
-        # the weightless per-head norm, then RoPE; on the HCA layers made by the tensor-core
-        # attention as it loads q instead, where it can (q_norm_in_attention)
-        fold_q = (self.q_norm_in_attention and not sim
-                  and folds_q_norm_rope(int(bool(c.ratio) and not cfg.is_csa(i))))
-        if not fold_q:
-            rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
-                         threads=nt, **sim)
+        # the weightless per-head norm, then RoPE (made by HCA's tensor-core attention as it
+        # loads q instead: its build spills, and it measured nil with post + comb and the
+        # compressor apart: 8.988 against 8.983 ms, H200, 43 layers, 2026-12-06 (p))
+        rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
+                     threads=nt, **sim)
         if cfg.is_csa(i):
             self._indexer(i, L, c, idx_x)
         if self.branches:
@@ -430,22 +417,12 @@ class DecodeEngine:
                                       np.int32)
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
-                         prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
-                         q_norm_rope=(eps, self.pos, L.freqs) if fold_q else None, **sim)
-        xb = None  # out_b's x limbs, made by out_a's GEMV (out_b_limbs_in_out_a)
-        if (xo is not None and self.out_b_limbs_in_out_a and takes_limbs_out(L.out_a)
-                and takes_limbs(L.out_b)):
-            xb = device.stream_buffer("out_b limbs", s, (1, G * cfg.o_rank // 16 * XLW),
-                                      np.int32)
+                         prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles, **sim)
         if xo is not None:
-            gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo,
-                      limbs_out=xb)
+            gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:
             gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
-        if xb is not None:
-            gemv_q8_0(self.f, L.out_b, None, None, s, threads=nt, limbs=xb)
-        else:
-            gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
+        gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
 
     def _indexer_keys(self, i: int, L, c, s) -> None:

@@ -617,17 +617,11 @@ def _partials(P: int, H: int, K: int, stream):
     return _SCRATCH[P, H, K]
 
 
-def folds_q_norm_rope(all_visible: int, mma=None) -> bool:
-    """Whether attention_decode takes the tensor-core path (``mma`` as it takes it), which can
-    make q's per-head norm and RoPE itself (``q_norm_rope``)."""
-    return bool(all_visible and not device.SIMULATOR) if mma is None else bool(mma)
-
-
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
                      naive: bool = False, part=None, mma=None, tiles_per_split: int = 4,
                      out_rope=None, split_tiles: int | None = None, limbs=None,
-                     prefetch: bool = True, q_norm_rope=None) -> None:
+                     prefetch: bool = True) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -645,10 +639,6 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     ``split_tiles``: the CUDA-core kernel's least KC-slot tiles a split (SPLIT_TILES);
     ``prefetch``: its next tile's words loaded while a tile is scored (_split_kernel).
 
-    ``q_norm_rope`` (eps, pos [1] int32, freqs [R/2] float64): q as the q_b GEMM left it, each
-    head's weightless RMSNorm and its RoPE at pos made by the tensor-core kernel as it loads q
-    (folds_q_norm_rope must hold: the tensor-core path), instead of a launch before.
-
     ``out_rope`` (pos [1] int32, freqs [R/2] float64): out leaves with the last R dims rotated
     back by the inverse RoPE at pos (§4.9), inside the combine (naive: norm_rope.rope after).
 
@@ -657,8 +647,6 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     the combine itself (K a multiple of 16; naive: a limbs launch after)."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
-    assert q_norm_rope is None or (folds_q_norm_rope(all_visible, mma) and not naive), \
-        "q_norm_rope: the tensor-core path only (folds_q_norm_rope)"
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
     if naive:
         nt = threads or 64
@@ -670,19 +658,17 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             _make_limbs(limbs, out.reshape(limbs.shape[0], H * K // limbs.shape[0]), stream)
         return
     slots = window_packed.shape[0] + (comp_packed.shape[0] if all_visible else sel.shape[0])
-    if folds_q_norm_rope(all_visible, mma):
+    if (all_visible and not device.SIMULATOR) if mma is None else mma:
         from .attention_prefill import MAX_MT, _mma_kernel, _no_keys, _no_rope
 
-        qnr = (0.0, *_no_rope()) if q_norm_rope is None else q_norm_rope
-        kern, nt, smem = _mma_kernel(K, R, 1 if H <= 16 else MAX_MT, DEC=True,
-                                     QF=q_norm_rope is not None)
+        kern, nt, smem = _mma_kernel(K, R, 1 if H <= 16 else MAX_MT, DEC=True)
         P, groups = mma_splits(H, slots, tiles_per_split)
         part = _partials(P, H, K, stream) if part is None else part
         win = window_packed.view(np.uint64)
         kern[(P, groups), nt, stream, smem](
             part, q.reshape(1, H, K), win, win, comp_packed.view(np.uint64), _no_keys(K),
             sel.reshape(1, sel.shape[0]), n_comp_visible, int32(all_visible), n_window, sinks,
-            float32(scale), *qnr[1:], float32(qnr[0]))
+            float32(scale), *_no_rope(), float32(0.0))
     else:
         nt = threads or 256
         kern, smem = _split_kernel(K, R, nt, prefetch)

@@ -427,13 +427,12 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
     MMAs). (A separate build: the branches and the second buffer made the other forms ~15%
     slower.) ``QF``: q as the q_b GEMM left it: each (token, head) row's weightless RMSNorm
     and its RoPE at qpos[t] applied as q is loaded, out's inverse RoPE as it is stored
-    (attention_prefill's ``q_norm_rope``; DEC: the partials are stored as they are, the
-    combine rotates the merged output back)."""
+    (attention_prefill's ``q_norm_rope``)."""
     key = (K, R, MT, DEC, PRE, KT, QF)
     if key in _MMAS:
         return _MMAS[key]
     if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT or \
-            KT not in (16, 32, 64) or DEC and KT != MKC:
+            KT not in (16, 32, 64) or DEC and (KT != MKC or QF):
         raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}, "
                          f"{KT} keys a tile")
     NOPE = K - R
@@ -1019,9 +1018,9 @@ PTX_SIGNATURES = [
                                     f"uint32[:, ::1], {_TAIL})"),  # V4-Flash, 256 threads
     (_mma_kernel(512, 64, MAX_MT)[0], f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], "
                                       f"uint64[:, ::1], uint32[:, ::1], {_MMA_TAIL})"),  # V4-Flash
-    *((_mma_kernel(512, 64, MAX_MT, DEC=True, QF=qf)[0],
-       f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], uint64[:, ::1], uint32[:, ::1], "
-       f"{_MMA_TAIL})") for qf in (False, True)),
+    (_mma_kernel(512, 64, MAX_MT, DEC=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
+                                                f"uint64[:, ::1], uint64[:, ::1], "
+                                                f"uint32[:, ::1], {_MMA_TAIL})"),
     (_mma_kernel(512, 64, MAX_MT, PRE=True, KT=KEY_TILE_PRE)[0],
      f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], uint64[:, ::1], uint32[:, ::1], "
      f"{_MMA_TAIL})"),

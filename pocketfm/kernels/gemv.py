@@ -537,7 +537,7 @@ def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, S
 
 
 def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm: bool = False,
-                   limbs_out: bool = False, **opts):
+                   **opts):
     """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
     16-byte chunks of its warp's K-slice and holds their x; R rows per warp per step. The next
     step's loads are issued before this step's math (registers double-buffered), so a warp
@@ -545,11 +545,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
     x then holds: int32 [T, K / 16 * XLW] from ``_q8_0_x_limbs``. ``norm`` (float types, a
     warp's K-slice the whole row): x is taken as rmsnorm(x) * nw (nw [K], eps), each warp
     normalising the x it holds (one warp sum, norm_row's formula): no norm launch before the
-    GEMV (the other kernels take nw and eps and ignore them). ``limbs_out`` (int8, B = 1, K
-    split over the warps, wr_n·R = 16): a block step's 16 output rows are one 16-column chunk
-    of out flattened, and the block also writes that chunk's limb words into xo (the next dp4a
-    GEMV's x: _chunk_words, as _q8_0_x_limbs_words makes them) instead of a limbs launch
-    after; xo [1, T·N / 16 · XLW] (the other kernels take a dummy and ignore it)."""
+    GEMV (the other kernels take nw and eps and ignore them)."""
     EPW, dq, WDT = ty.epw, ty.dq, ty.wdtype
     EC = 4 * EPW  # elements per 16-byte chunk
     INT8 = int8
@@ -560,11 +556,10 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
     N_XF = 1 if INT8 else B * CPL * EC
     N_XQ, N_XS = (B * CPL * 12, B * CPL * 3) if INT8 else (1, 1)
     NORM = norm and not int8
-    LOUT = limbs_out and int8 and B == 1
 
-    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span, nw, eps, xo):
+    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span, nw, eps):
         # out [T, N]; wq [E, N, K/EPW]; ws [E, N, K/SB] or dummy; x [T, K]; ids [T] or dummy;
-        # nw [K] float32, eps: NORM only; xo int32 [1, T·N/16·XLW]: LOUT only
+        # nw [K] float32, eps: NORM only
         # block = wr_n x wk_n warps: warp (wr, wk) takes row slot wr, K-slice wk of `span` chunks
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         wk, wr = warp % wk_n, warp // wk_n
@@ -584,8 +579,6 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
         sn = cuda.local.array(N_S, np.float32)
         acc = cuda.local.array(N_ACC, np.float32)
         tb = cuda.local.array(B, np.float32)
-        ob = cuda.shared.array(16, np.float32)  # LOUT: the block step's 16 outputs
-        ov = cuda.local.array(4, np.float32)  # LOUT: a thread's 4 of them
         ngroups = (N + wr_n * R - 1) // (wr_n * R)
         g = cuda.blockIdx.x
         # the first step's loads need no x: send them before preparing it
@@ -672,18 +665,9 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                         for kw_ in range(wk_n):
                             s += part[((p * 32 + r * wk_n + kw_) * R + i) * B + b]
                         out[t0 + b, n] = s
-                        if LOUT:
-                            ob[t] = s
-                if LOUT:  # (wr_n·R = 16: rows g·16 .. g·16 + 15, one chunk of out flattened)
-                    cuda.syncthreads()
-                    m = t % 4
-                    for kk in range(4):
-                        ov[kk] = ob[4 * m + kk]
-                    _chunk_words(xo, 0, (t0 * N + g * 16) // 16, m, ov, scratch,
-                                 t < 4 and g * 16 < N)
                 p ^= 1
             g += cuda.gridDim.x
-    form = ("dp4a_limbs" if LOUT else "dp4a") if INT8 else "xregs_norm" if NORM else "xregs"
+    form = "dp4a" if INT8 else "xregs_norm" if NORM else "xregs"
     return _named(k, f"_gemv_{ty.name}_{form}_prefetch_splitk_b{B}", **opts)
 
 
@@ -808,7 +792,6 @@ class _Kernels(NamedTuple):
     decode: dict  # B -> kernel
     batched: object
     dp4a: object  # Q8_0, B = 1: the int8 decode kernel (None for the float types)
-    dp4a_limbs: object  # ... which also makes the next dp4a GEMV's x limbs (limbs_out)
     norm: object  # float types, B = 1: the decode kernel normalising its x (None for Q8_0)
 
 
@@ -817,9 +800,6 @@ _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
                                 for B in range(1, DECODE_MAX_TOKENS + 1)},
                                _batched_kernel(ty, GEMM_MICRO, GEMM_MICRO),
                                _decode_kernel(ty, 1, 2, 4, int8=True, max_registers=DP4A_REGS)
-                               if ty is _Q8_0 else None,
-                               _decode_kernel(ty, 1, 2, 4, int8=True, limbs_out=True,
-                                              max_registers=DP4A_REGS)
                                if ty is _Q8_0 else None,
                                None if ty is _Q8_0 else
                                _decode_kernel(ty, 1, *_decode_shape(ty, 1), norm=True))
@@ -833,15 +813,14 @@ _STATE: dict = {}
 
 
 def _dummies():
-    """(ids int32 [1], scales float16 [1, 1, 1], norm weight float32 [1], limbs out int32
-    [1, 1]): stand-ins for absent arguments, allocated once so a launch allocates nothing (and
-    can be captured in a CUDA graph)."""
+    """(ids int32 [1], scales float16 [1, 1, 1], norm weight float32 [1]): stand-ins for absent
+    arguments, allocated once so a launch allocates nothing (and can be captured in a CUDA
+    graph)."""
     if "ids" not in _STATE:
         _STATE["ids"] = cuda.to_device(np.zeros(1, np.int32))
         _STATE["scale"] = cuda.to_device(np.zeros((1, 1, 1), np.float16))
         _STATE["norm"] = cuda.to_device(np.zeros(1, np.float32))
-        _STATE["xo"] = cuda.to_device(np.zeros((1, 1), np.int32))
-    return _STATE["ids"], _STATE["scale"], _STATE["norm"], _STATE["xo"]
+    return _STATE["ids"], _STATE["scale"], _STATE["norm"]
 
 
 def simulator_prefers_rows(on: bool = True) -> None:
@@ -867,28 +846,24 @@ def _wave(kern, args, threads: int, rows: int) -> int:
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None,
-            limbs=None, norm=None, limbs_out=None):
+            limbs=None, norm=None):
     """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched" / "mma") and
     ``split_k`` (decode: warps per row; batched: K splits) override the choice; tests use them
     to reach every path. ``limbs``: x's limbs already made (q8_0_limbs): the dp4a kernel alone.
     ``norm`` (nw [K] float32, eps): W · (rmsnorm(x) * nw), the norm made by the decode kernel
-    (takes_norm must hold). ``limbs_out`` (int32 [1, T·N/16·XLW]): the dp4a kernel also makes
-    out's limbs, out flattened as one row (the next dp4a GEMV's x; takes_limbs_out must
-    hold)."""
+    (takes_norm must hold)."""
     if limbs is not None:  # (with ids: row t of the limbs is token t, as x's would be)
         assert x is None and ty is _Q8_0
         method = "dp4a"
     if norm is not None:
         assert takes_norm(w, x.shape[0], ids) and method in (None, "decode"), "takes_norm"
         method = "decode"
-    if limbs_out is not None:
-        method = "dp4a"
     T = x.shape[0] if limbs is None else limbs.shape[0]
     K = x.shape[1] if limbs is None else limbs.shape[1] // XLW * 16
     assert w.qtype == ty.qtype and K == w.cols and out.shape == (T, w.rows)
     N = w.rows
     kern = _KERNELS[ty.qtype]
-    ids_dummy, scale_dummy, norm_dummy, xo_dummy = _dummies()
+    ids_dummy, scale_dummy, norm_dummy = _dummies()
     ws = w.planes[1] if ty.sblock else scale_dummy
     per_token = 0 if ids is None else 1
     ids_arg = ids_dummy if ids is None else ids
@@ -919,22 +894,17 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         span = cdiv(nchunk, wk_n)
         assert K % EC == 0 and span <= 32 * cpl and wk_n <= 32, (K, wk_n)
         wr_n = max(1, (threads or 128) // (32 * wk_n))
-        if limbs_out is not None:  # a block step: 16 rows, one chunk of out's limbs
-            assert takes_limbs_out(w, K) and split_k is None, "takes_limbs_out"
-            assert limbs_out.shape == (1, T * N // 16 * XLW), limbs_out.shape
-            wr_n = 16 // R
         nt = 32 * wk_n * wr_n
         groups, rows = cdiv(N, wr_n * R), T // B
         k = kern.decode[B] if norm is None else kern.norm
         nw, eps = (norm_dummy, 0.0) if norm is None else norm
         args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span, nw,
-                np.float32(eps), xo_dummy if limbs_out is None else limbs_out)
+                np.float32(eps))
         if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
             method = "dp4a"
         if method == "dp4a":  # x -> int8 limbs once (unless made already), then the GEMV
             xl = limbs if limbs is not None else q8_0_limbs(x, stream)
-            k = kern.dp4a if limbs_out is None else kern.dp4a_limbs
-            args = args[:3] + (xl,) + args[4:]
+            k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
         k[(min(groups, _wave(k, args, nt, rows)), rows), nt, stream](*args)
     else:
         nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
@@ -1037,18 +1007,6 @@ def gemv(out, w: QWeight, x, ids=None, stream=0, threads=None, norm=None) -> Non
     _by_type(w.qtype, "gemv_{}")(out, w, x, ids, stream=stream, threads=threads, **how)
 
 
-def takes_limbs_out(w: QWeight, K: int | None = None) -> bool:
-    """Whether gemv_q8_0(limbs_out=) serves ``w`` (of K columns; one token, or a row of x per
-    id): the dp4a kernel with its K split over the warps of a block (the K-slices meet in shared
-    memory, where the block's 16 rows then make one chunk of limbs), rows in whole chunks, and
-    at most 1,024 threads a block."""
-    K = w.cols if K is None else K
-    cpl, R = _decode_shape(_Q8_0, 1)
-    wk_n = cdiv(K // 16, 32 * cpl)
-    return (w.qtype == _Q8_0.qtype and K % 16 == 0 and 1 < wk_n and 16 % R == 0
-            and 32 * wk_n * (16 // R) <= 1024 and w.rows % 16 == 0 and not _sim_rows())
-
-
 def takes_norm(w: QWeight, T: int = 1, ids=None) -> bool:
     """Whether gemv(norm=) serves ``w`` for T tokens: a float type (F32 / F16 / BF16), one
     token, no ids, and a K one warp holds whole (the decode kernel's K-slice); not where the
@@ -1068,15 +1026,14 @@ def _signatures():
         ks = _KERNELS[ty.qtype]
         yield ks.naive, h + "int64, int64)"
         yield _ROWS[ty.qtype], h + "int64, int64)"
-        tail = "int64, int64, int64, int64, int64, float32[::1], float32, int32[:, ::1])"
+        tail = "int64, int64, int64, int64, int64, float32[::1], float32)"
         for kd in ks.decode.values():
             yield kd, h + tail
         if ks.norm:
             yield ks.norm, h + tail
-        for kd in (ks.dp4a, ks.dp4a_limbs):  # x: the prepared limbs
-            if kd:
-                yield kd, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
-                    + tail
+        if ks.dp4a:  # x: the prepared limbs
+            yield ks.dp4a, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
+                + tail
         yield ks.batched, h.replace("void(float32[:, ::1]", "void(float32[:, :, ::1]") + \
             "int64, int64, int64, int64, int64)"
     yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"

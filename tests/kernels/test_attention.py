@@ -112,35 +112,6 @@ def test_the_combine_merges_the_split_partials_with_the_sink(P):
     assert rel_err(out.copy_to_host(), ref) <= 1e-6
 
 
-@pytest.mark.parametrize("hca,H", [(1, 4), (0, 20)])
-def test_the_tensor_core_decode_makes_the_q_norm_and_rope(hca, H):
-    """attention_decode(q_norm_rope=) on the tensor cores, q raw as the q_b GEMM leaves it =
-    the per-head RMSNorm + RoPE launch, then the kernel on the normalised q: within the
-    rounding of the norm's other sum order (H = 20: a second m-tile, cut short)."""
-    from pocketfm.kernels import device, norm_rope
-    from pocketfm.numerics import rope_frequencies
-
-    rng = fresh_rng()
-    q, win, comp, sinks = decode_inputs(rng, H)
-    q *= rng.uniform(0.5, 3.0, size=(H, 1)).astype(np.float32)  # rows of other norms
-    sel = rng.choice(NCAP, S, replace=False)
-    pos = cuda.to_device(np.array([int(rng.integers(0, 1 << 20))], np.int32))
-    freqs = cuda.to_device(rope_frequencies(R, 160000.0, 16.0, 65536))
-    dq = cuda.to_device(q.reshape(1, H, K))
-    normed = cuda.device_array((1, H, K), np.float32)
-    norm_rope.rmsnorm_rope(normed, dq, device.empty_vector(np.float32), 1e-6, False, pos, freqs)
-    d = [cuda.to_device(a) for a in (win, np.array([11], np.int32), comp,
-                                     sel.astype(np.int32), np.array([37], np.int32), sinks)]
-    outs = []
-    for qq, qnr in ((normed, None), (dq, (1e-6, pos, freqs))):
-        out = cuda.to_device(np.full((H, K), np.nan, np.float32))
-        at.attention_decode(out, qq.reshape(H, K), *d[:5], hca, d[5], 1 / math.sqrt(K),
-                            mma=True, tiles_per_split=1, q_norm_rope=qnr)
-        outs.append(out.copy_to_host())
-    assert at.folds_q_norm_rope(hca, mma=True) and not at.folds_q_norm_rope(hca, mma=False)
-    assert rel_err(outs[1], outs[0]) <= 1e-5
-
-
 def test_attention_decode_sink_dominates():
     """A huge sink takes almost all the mass: the output shrinks towards 0 like the reference."""
     rng = fresh_rng()

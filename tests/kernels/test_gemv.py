@@ -128,30 +128,6 @@ def test_dp4a_kernel_on_limbs_of_a_row_per_id():
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
 
 
-@pytest.mark.parametrize("E", [1, 3])
-def test_dp4a_kernel_making_the_next_gemvs_limbs(E, monkeypatch):
-    """gemv_q8_0(limbs_out=): a block step's 16 rows are one chunk of out flattened, and the
-    block writes its limb words (attn_output_a making attn_output_b's x): out the same bits as
-    the plain dp4a kernel's, the words exactly those q8_0_limbs makes of it; one token, or a
-    row per id (E groups). K = 2048: two warps a row, 16 rows a block step."""
-    monkeypatch.setitem(gemv._STATE, "sim_rows", False)
-    rng = fresh_rng()
-    N, K = 32, 2048
-    w, x, ids, ref = _case("q8_0", E, N, K, E, E > 1, rng)
-    assert gemv.takes_limbs_out(w) and not gemv.takes_limbs_out(w, 1024)
-    dw, d_ids = w.to_device(), None if ids is None else cuda.to_device(ids)
-    xl = gemv.q8_0_limbs(cuda.to_device(x), name="test limbs out, x")
-    plain, fused = poisoned((E, N)), poisoned((E, N))
-    gemv.gemv_q8_0(plain, dw, None, d_ids, limbs=xl)
-    xo = cuda.to_device(np.full((1, E * N // 16 * gemv.XLW), -7, np.int32))
-    gemv.gemv_q8_0(fused, dw, None, d_ids, limbs=xl, limbs_out=xo)
-    got = fused.copy_to_host()
-    assert np.array_equal(got, plain.copy_to_host())
-    assert rel_err(got, ref) <= 1e-4
-    want = gemv.q8_0_limbs(cuda.to_device(got.reshape(1, -1)), name="test limbs out, want")
-    assert np.array_equal(xo.copy_to_host(), want.copy_to_host())
-
-
 @pytest.mark.parametrize("T,K", [(1, 4096), (2, 96), (3, 1024)])
 def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
     """_q8_0_x_limbs_words (the default) writes exactly the words of _q8_0_x_limbs (a thread a
