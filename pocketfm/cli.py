@@ -346,7 +346,8 @@ def inspect(path, all_keys):
                    "tensor cores; the split attention without its next tile's prefetch, or "
                    "at 4 or 1 tiles a split; HC pre's post + comb and the compressor on the "
                    "side stream; the CSA q_a norm as its own launch, the indexer's weights "
-                   "after its keys) or try a candidate (the q_a norm folded on every layer; "
+                   "after its keys; no L2 prefetch of out_a's weights, or by 16 or 4 blocks) "
+                   "or try a candidate (the q_a norm folded on every layer; "
                    "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
                    "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
                    "process.")

@@ -250,7 +250,8 @@ def _decode_variants() -> dict:
     imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV; the split attention's next
     tile loaded while it scores this one, and its 2 tiles a split; HC pre's post + comb and the
     compressor on streams of their own, and the CSA q_a norm made by its readers with the
-    indexer's weights on a branch of their own) or try a candidate (the q_a
+    indexer's weights on a branch of their own; out_a's weights prefetched into L2 beside the
+    attention, by 8 blocks) or try a candidate (the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
@@ -260,7 +261,7 @@ def _decode_variants() -> dict:
     and RoPE in HCA's tensor-core attention and that attention at 8 tiles a split: 6.982 /
     7.033 against 6.954 ms (o); the first again with the two streams apart, 8.988 against
     8.983 ms, and out_b's x limbs made by out_a's GEMV, 9.510 against 9.320 ms (H200, 43
-    layers, 2026-12-06 (p))."""
+    layers, 2026-12-06 (p)); out_b's weights into L2 too, 6.826 against 6.681 ms, H100 (p)."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
@@ -294,7 +295,10 @@ def _decode_variants() -> dict:
                 q_a_norm_in_readers=False),
             "the three streams as before": dict(post_own_stream=False,
                                                 compressor_own_stream=False,
-                                                q_a_norm_in_readers=False)}
+                                                q_a_norm_in_readers=False),
+            "no L2 prefetch of out_a's weights (before)": dict(l2_prefetch=()),
+            "out_a's weights into L2 by 16 blocks": dict(l2_prefetch_blocks=16),
+            "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

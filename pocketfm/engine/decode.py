@@ -44,6 +44,7 @@ from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
                             simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
+from ..kernels.l2_prefetch import prefetch_l2
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
 from ..kernels.qat import hadamard_fp4, kv_pack
@@ -203,6 +204,17 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
+        # attn_output_a's weights (the names of these output projections: "out_a", "out_b")
+        # requested into L2 by 8 blocks on a stream of their own beside the attention and its
+        # combine (~30-47 µs a layer that leave DRAM idle), so that its GEMV reads L2
+        # (l2_prefetch.py; () none). out_a took 18.6-20.0 µs for its 35.6 MB under ncu (H100,
+        # 2026-12-06 (p)). H100, 30 layers, --decode-ab, one process: 6.575 ms against 6.744
+        # without, 6.660 / 6.679 / 6.713 by 4 / 16 / 24 blocks (more take the attention's SMs;
+        # 2 blocks 7.471: the branch, joined after out_b, ends late); out_b's weights too
+        # 6.826-6.839 (71 MB: more than L2 keeps)
+        self.side_pf = device.SideStream()
+        self.l2_prefetch = ("out_a",)
+        self.l2_prefetch_blocks = 8
         # attn_output_a's x limbs made by the attention's combine (one launch fewer on every
         # layer's path), where out_a runs the dp4a kernel: 7.803 / 7.653 against 7.814 / 7.678
         self.limbs_in_combine = True
@@ -227,8 +239,9 @@ class DecodeEngine:
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers) set while inside, as they were after it; the step is captured
-        anew under each (an A/B of the step; an unknown name raises AttributeError)."""
+        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks) set while inside, as they were after
+        it; the step is captured anew under each (an A/B of the step; an unknown name raises
+        AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -415,6 +428,11 @@ class DecodeEngine:
         if self.limbs_in_combine and takes_limbs(L.out_a, grouped=True):
             xo = device.stream_buffer("attention out limbs", s, (G, H * K // G // 16 * XLW),
                                       np.int32)
+        pf = self.l2_prefetch if self.branches else ()
+        if pf:  # out_a's weights into L2 while the attention reads little
+            sp = self.side_pf.fork(s)
+            for name in pf:
+                prefetch_l2(getattr(L, name).planes, sp, blocks=self.l2_prefetch_blocks)
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles, **sim)
@@ -423,6 +441,8 @@ class DecodeEngine:
         else:
             gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
+        if pf:
+            self.side_pf.join(s)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
 
     def _indexer_keys(self, i: int, L, c, s) -> None:
