@@ -349,8 +349,9 @@ def inspect(path, all_keys):
                    "after its keys; no L2 prefetch of out_a's weights, or by 16 or 4 blocks) "
                    "or try a candidate (the q_a norm folded on every layer; "
                    "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
-                   "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
-                   "process.")
+                   "tensor cores too; q_b's and idx_q_b's weights into L2 from the attention's "
+                   "start; the next layer's q_a (and q_b) into L2 beside the MoE), each step "
+                   "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")

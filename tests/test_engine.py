@@ -59,20 +59,25 @@ def test_post_and_compressor_on_streams_of_their_own_step_as_on_the_side_stream(
     assert np.array_equal(np.array(logits["side"]), np.array(logits["own"]))
 
 
+EVERY_L2_PREFETCH = dict(l2_prefetch=("out_a", "out_b"), l2_prefetch_early=("q_b", "idx_q_b"),
+                         l2_prefetch_next=("q_a", "q_b"))
+
+
 def test_the_l2_prefetch_steps_as_without_it(micro_path):
-    """The output projections' weights requested into L2 beside the attention (a cache hint on
-    a side stream, joined after out_b): the same logits step after step (its concurrency is a
-    GPU test: below)."""
+    """Weights requested into L2 on a side stream (cache hints: the output projections' beside
+    the attention, the query's from the sublayer's start, the next layer's beside the MoE, each
+    branch joined at its sublayer's end): the same logits step after step (their concurrency
+    is a GPU test: below)."""
     eng = load(micro_path, device="cuda").engine(len(PROMPT))
     logits = {}
-    for pf in ((), ("out_a", "out_b")):
-        with eng.settings(l2_prefetch=pf):
+    for name, values in {"none": dict(l2_prefetch=()), "every": EVERY_L2_PREFETCH}.items():
+        with eng.settings(**values):
             eng.start(PROMPT)
-            logits[pf] = []
+            logits[name] = []
             for _ in range(len(PROMPT)):
                 eng.step()
-                logits[pf].append(eng.read_logits())
-    assert np.array_equal(np.array(logits[()]), np.array(logits[("out_a", "out_b")]))
+                logits[name].append(eng.read_logits())
+    assert np.array_equal(np.array(logits["none"]), np.array(logits["every"]))
 
 
 def test_chunked_prefill_then_decode_matches_numpy_forward(micro_path):
@@ -286,12 +291,13 @@ def test_post_and_compressor_on_streams_of_their_own_change_no_logit():
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (a concurrent branch)")
 def test_the_l2_prefetch_changes_no_logit():
-    """out_a's (and out_b's) weights requested into L2 on a side stream beside the attention:
-    a cache hint, so the same logits bit for bit, eager and replayed from the graph."""
+    """out_a's weights requested into L2 on a side stream beside the attention (and every
+    candidate site: EVERY_L2_PREFETCH): cache hints, so the same logits bit for bit, eager and
+    replayed from the graph."""
     logits = _flash_4_layer_logits({"none": dict(l2_prefetch=()),
                                     "out_a": dict(l2_prefetch=("out_a",)),
-                                    "both": dict(l2_prefetch=("out_a", "out_b"))}, graph=True)
-    for name in ("out_a", "both"):
+                                    "every": EVERY_L2_PREFETCH}, graph=True)
+    for name in ("out_a", "every"):
         for how in (0, 1):  # eager, replayed
             assert np.array_equal(logits[name][how], logits["none"][how]), (name, how)
 

@@ -254,7 +254,8 @@ def _decode_variants() -> dict:
     attention, by 8 blocks) or try a candidate (the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
-    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
+    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l); the query's weights into L2
+    from the attention's start, the next layer's beside the MoE: not yet measured). HC pre's mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
     was dropped; so were the routing in the router GEMV's last block and q_a with its norm and
     q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06; and q's norm
@@ -298,7 +299,13 @@ def _decode_variants() -> dict:
                                                 q_a_norm_in_readers=False),
             "no L2 prefetch of out_a's weights (before)": dict(l2_prefetch=()),
             "out_a's weights into L2 by 16 blocks": dict(l2_prefetch_blocks=16),
-            "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4)}
+            "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4),
+            "q_b's and idx_q_b's weights into L2 from the attention's start (candidate)": dict(
+                l2_prefetch_early=("q_b", "idx_q_b")),
+            "the next layer's q_a into L2 beside the MoE (candidate)": dict(
+                l2_prefetch_next=("q_a",)),
+            "the next layer's q_a and q_b into L2 beside the MoE (candidate)": dict(
+                l2_prefetch_next=("q_a", "q_b"))}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -215,6 +215,14 @@ class DecodeEngine:
         self.side_pf = device.SideStream()
         self.l2_prefetch = ("out_a",)
         self.l2_prefetch_blocks = 8
+        # candidates, the same on other idle stretches: these of the layer's query weights
+        # ("q_b", "idx_q_b") from the attention sublayer's start (beside HC pre and q_a), and
+        # these of the next layer's ("q_a", "q_b") from the MoE sublayer's start (beside its HC
+        # pre, router and routing: ~26 µs, H100, (p)); q_b only where it is on the main stream
+        # (off the CSA layers, where it runs beside the indexer). Each branch joins at the end
+        # of its sublayer
+        self.l2_prefetch_early = ()
+        self.l2_prefetch_next = ()
         # attn_output_a's x limbs made by the attention's combine (one launch fewer on every
         # layer's path), where out_a runs the dp4a kernel: 7.803 / 7.653 against 7.814 / 7.678
         self.limbs_in_combine = True
@@ -239,9 +247,9 @@ class DecodeEngine:
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks) set while inside, as they were after
-        it; the step is captured anew under each (an A/B of the step; an unknown name raises
-        AttributeError)."""
+        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks, l2_prefetch_early, l2_prefetch_next)
+        set while inside, as they were after it; the step is captured anew under each (an A/B
+        of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
         try:
             for k, v in values.items():
@@ -349,6 +357,7 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u = self.u_norm
+        early = self._prefetch_into_l2(i, self.l2_prefetch_early)
         pside = self._post_side()  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
                threads=nt, side=pside, norm=(u, L.attn_norm), post_from=post_from,
@@ -428,11 +437,8 @@ class DecodeEngine:
         if self.limbs_in_combine and takes_limbs(L.out_a, grouped=True):
             xo = device.stream_buffer("attention out limbs", s, (G, H * K // G // 16 * XLW),
                                       np.int32)
-        pf = self.l2_prefetch if self.branches else ()
-        if pf:  # out_a's weights into L2 while the attention reads little
-            sp = self.side_pf.fork(s)
-            for name in pf:
-                prefetch_l2(getattr(L, name).planes, sp, blocks=self.l2_prefetch_blocks)
+        # out_a's weights into L2 while the attention reads little
+        late = self._prefetch_into_l2(i, self.l2_prefetch)
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles, **sim)
@@ -441,9 +447,25 @@ class DecodeEngine:
         else:
             gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
-        if pf:
+        if early or late:
             self.side_pf.join(s)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
+
+    def _prefetch_into_l2(self, i: int, names) -> bool:
+        """Fork ``side_pf`` off the main stream and request the lines of layer i's weights of
+        these names into L2 on it (l2_prefetch.py): those it has, q_b only off the CSA layers
+        (see l2_prefetch_early). False, nothing launched: no branches, or no such weight."""
+        if not self.branches or not names or i >= self.cfg.n_layers:
+            return False
+        L = self.w.layers[i]
+        ws = [getattr(L, n) for n in names if getattr(L, n, None) is not None
+              and not (n == "q_b" and self.cfg.is_csa(i))]
+        if not ws:
+            return False
+        sp = self.side_pf.fork(self.stream)
+        for w in ws:
+            prefetch_l2(w.planes, sp, blocks=self.l2_prefetch_blocks)
+        return True
 
     def _indexer_keys(self, i: int, L, c, s) -> None:
         """On stream ``s``: emit this token's indexer key (every 4th token) and make the
@@ -511,6 +533,7 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         side = self.side if self.branches else None  # the shared expert beside the routed ones
         pside = self._post_side()  # post + comb beside u and the MoE
+        ahead = self._prefetch_into_l2(i + 1, self.l2_prefetch_next)  # (the next layer's)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
                cfg.hc_iters, s, threads=nt, side=pside, norm=(self.u_norm, L.ffn_norm),
                post_from=post_from, **self._hc_pre_forms(), **sim)
@@ -529,6 +552,8 @@ class DecodeEngine:
             side.join(s)
             if pside is not side:
                 pside.join(s)
+        if ahead:
+            self.side_pf.join(s)
         f = self.moe.parts if parts else self.f
         return f, X, self.post, self.comb  # made by the next HC pre (or before the head)
 
