@@ -81,3 +81,45 @@ def prefetch_l2(arrays, stream=0, blocks: int = BLOCKS, threads: int = THREADS) 
 
 
 PTX_SIGNATURES = [(_prefetch_lines, "void(uint8[::1])")]
+
+
+def bench_cases(stream) -> list:
+    """attn_output_b's shape (Q8_0 4096 x 8192, 35.6 MB), copies rotating over >= 256 MB so
+    that L2 cannot serve a launch from the one before: the prefetch alone by 8 and 16 blocks,
+    the GEMV alone (from DRAM), and each prefetch followed by its GEMV on one stream (the
+    pair's time less the prefetch's: the GEMV from L2)."""
+    from . import gemv
+    from .bench import BenchCase
+    from .device import capture_graph
+
+    rng = np.random.default_rng(0)
+    N, K, reps = 4096, 8192, 10
+    host = gemv._random_weight(gemv._Q8_0, N, K, rng)
+    copies = [host.to_device(stream) for _ in range(max(1, cdiv(256 << 20, host.nbytes)))]
+    x = cuda.to_device(rng.standard_normal((1, K)).astype(np.float32), stream=stream)
+    out = cuda.device_array((1, N), np.float32, stream=stream)
+
+    def fetch(w, blocks):
+        return lambda: prefetch_l2(w.planes, stream, blocks=blocks)
+
+    def multiply(w):
+        return lambda: gemv.gemv_q8_0(out, w, x, None, stream=stream)
+
+    def graph(parts):
+        return capture_graph(parts, stream)
+    nb = host.nbytes
+    cases = []
+    for blocks in (8, 16):
+        ws = [copies[i % len(copies)] for i in range(reps)]
+        cases.append(BenchCase("l2_prefetch", f"prefetch_l2 {nb / 1e6:.1f} MB by {blocks} blocks",
+                               graph([fetch(w, blocks) for w in ws]), nb, launches=reps))
+    ws = [copies[i % len(copies)] for i in range(reps)]
+    cases.append(BenchCase("l2_prefetch", f"gemv_q8_0 {N}x{K} from DRAM",
+                           graph([multiply(w) for w in ws]), nb, flops=2 * N * K,
+                           launches=reps))
+    pairs = []
+    for w in ws:
+        pairs += [fetch(w, 8), multiply(w)]
+    cases.append(BenchCase("l2_prefetch", f"prefetch_l2 by 8 blocks, then gemv_q8_0 {N}x{K} "
+                           "(a pair)", graph(pairs), 2 * nb, flops=2 * N * K, launches=reps))
+    return cases
