@@ -46,17 +46,26 @@ def test_post_and_compressor_on_streams_of_their_own_step_as_on_the_side_stream(
     """HC pre's post + comb on a stream of their own and the compressor on a branch of its own
     (concurrency itself is a GPU test): the same logits at a CSA + HCA entry position (4, 8:
     the compressors emit) as both on the side stream, step after step."""
+    logits = _micro_prompt_logits(micro_path, {
+        "side": dict(post_own_stream=False, compressor_own_stream=False),
+        "own": dict(post_own_stream=True, compressor_own_stream=True)})
+    assert np.array_equal(logits["side"], logits["own"])
+
+
+def _micro_prompt_logits(micro_path, variants: dict) -> dict:
+    """The micro model's logits at every prompt position, one engine stepping the prompt anew
+    under each DecodeEngine.settings variant: {name: array [positions, vocab]}."""
     eng = load(micro_path, device="cuda").engine(len(PROMPT))
     logits = {}
-    for name, values in {"side": dict(post_own_stream=False, compressor_own_stream=False),
-                         "own": dict(post_own_stream=True, compressor_own_stream=True)}.items():
+    for name, values in variants.items():
         with eng.settings(**values):
             eng.start(PROMPT)
-            logits[name] = []
+            rows = []
             for _ in range(len(PROMPT)):
                 eng.step()
-                logits[name].append(eng.read_logits())
-    assert np.array_equal(np.array(logits["side"]), np.array(logits["own"]))
+                rows.append(eng.read_logits())
+            logits[name] = np.array(rows)
+    return logits
 
 
 EVERY_L2_PREFETCH = dict(l2_prefetch=("out_a", "out_b"), l2_prefetch_early=("q_b", "idx_q_b"),
@@ -68,16 +77,9 @@ def test_the_l2_prefetch_steps_as_without_it(micro_path):
     the attention, the query's from the sublayer's start, the next layer's beside the MoE, each
     branch joined at its sublayer's end): the same logits step after step (their concurrency
     is a GPU test: below)."""
-    eng = load(micro_path, device="cuda").engine(len(PROMPT))
-    logits = {}
-    for name, values in {"none": dict(l2_prefetch=()), "every": EVERY_L2_PREFETCH}.items():
-        with eng.settings(**values):
-            eng.start(PROMPT)
-            logits[name] = []
-            for _ in range(len(PROMPT)):
-                eng.step()
-                logits[name].append(eng.read_logits())
-    assert np.array_equal(np.array(logits["none"]), np.array(logits["every"]))
+    logits = _micro_prompt_logits(micro_path, {"none": dict(l2_prefetch=()),
+                                               "every": EVERY_L2_PREFETCH})
+    assert np.array_equal(logits["none"], logits["every"])
 
 
 def test_chunked_prefill_then_decode_matches_numpy_forward(micro_path):
