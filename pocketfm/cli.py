@@ -346,11 +346,11 @@ def inspect(path, all_keys):
                    "tensor cores; the split attention without its next tile's prefetch, or "
                    "at 4 or 1 tiles a split; HC pre's post + comb and the compressor on the "
                    "side stream; the CSA q_a norm as its own launch, the indexer's weights "
-                   "after its keys; no L2 prefetch of out_a's weights, or by 16 or 4 blocks) "
+                   "after its keys; no L2 prefetch of out_a's weights, or by 16 or 4 blocks; "
+                   "no L2 prefetch of the next layer's q_a beside the MoE) "
                    "or try a candidate (the q_a norm folded on every layer; "
                    "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
-                   "tensor cores too; q_b's and idx_q_b's weights into L2 from the attention's "
-                   "start; the next layer's q_a (and q_b) into L2 beside the MoE), each step "
+                   "tensor cores too), each step "
                    "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "

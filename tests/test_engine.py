@@ -68,14 +68,13 @@ def _micro_prompt_logits(micro_path, variants: dict) -> dict:
     return logits
 
 
-EVERY_L2_PREFETCH = dict(l2_prefetch=("out_a", "out_b"), l2_prefetch_early=("q_b", "idx_q_b"),
-                         l2_prefetch_next=("q_a", "q_b"))
+EVERY_L2_PREFETCH = dict(l2_prefetch=("out_a", "out_b"), l2_prefetch_next=("q_a", "q_b"))
 
 
 def test_the_l2_prefetch_steps_as_without_it(micro_path):
     """Weights requested into L2 on a side stream (cache hints: the output projections' beside
-    the attention, the query's from the sublayer's start, the next layer's beside the MoE, each
-    branch joined at its sublayer's end): the same logits step after step (their concurrency
+    the attention, the next layer's query weights beside the MoE, each branch joined at its
+    sublayer's end): the same logits step after step (their concurrency
     is a GPU test: below)."""
     logits = _micro_prompt_logits(micro_path, {"none": dict(l2_prefetch=()),
                                                "every": EVERY_L2_PREFETCH})

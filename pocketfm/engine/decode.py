@@ -215,14 +215,12 @@ class DecodeEngine:
         self.side_pf = device.SideStream()
         self.l2_prefetch = ("out_a",)
         self.l2_prefetch_blocks = 8
-        # candidates, the same on other idle stretches: these of the layer's query weights
-        # ("q_b", "idx_q_b") from the attention sublayer's start (beside HC pre and q_a), and
-        # these of the next layer's ("q_a", "q_b") from the MoE sublayer's start (beside its HC
-        # pre, router and routing: ~26 µs, H100, (p)); q_b only where it is on the main stream
-        # (off the CSA layers, where it runs beside the indexer). Each branch joins at the end
-        # of its sublayer
-        self.l2_prefetch_early = ()
-        self.l2_prefetch_next = ()
+        # the next layer's q_a weights (4.4 MB, 8.3 µs on every attention layer's path) the
+        # same way beside the MoE's HC pre, router and routing (~26 µs), joined at the MoE's
+        # end: H100, 30 layers, --decode-ab, one process, 2026-12-06 (q): 6.538 against 6.573
+        # ms without; with the next q_b too 6.686 (the routed experts' ~43 MB pass through L2
+        # between), and q_b's and idx_q_b's from the attention sublayer's start 6.785
+        self.l2_prefetch_next = ("q_a",)
         # attn_output_a's x limbs made by the attention's combine (one launch fewer on every
         # layer's path), where out_a runs the dp4a kernel: 7.803 / 7.653 against 7.814 / 7.678
         self.limbs_in_combine = True
@@ -247,7 +245,7 @@ class DecodeEngine:
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks, l2_prefetch_early, l2_prefetch_next)
+        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks, l2_prefetch_next)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -357,7 +355,6 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         H, K, R, eps = cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.rms_eps
         u = self.u_norm
-        early = self._prefetch_into_l2(i, self.l2_prefetch_early)
         pside = self._post_side()  # post + comb beside u (joined below)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_attn, eps, cfg.hc_eps, cfg.hc_iters, s,
                threads=nt, side=pside, norm=(u, L.attn_norm), post_from=post_from,
@@ -447,19 +444,18 @@ class DecodeEngine:
         else:
             gemv(self.y, L.out_a, self.o.reshape(G, H // G * K), self.w.group_ids, s, threads=nt)
         gemv(self.f, L.out_b, self.y.reshape(1, G * cfg.o_rank), None, s, threads=nt)
-        if early or late:
+        if late:
             self.side_pf.join(s)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
 
     def _prefetch_into_l2(self, i: int, names) -> bool:
         """Fork ``side_pf`` off the main stream and request the lines of layer i's weights of
-        these names into L2 on it (l2_prefetch.py): those it has, q_b only off the CSA layers
-        (see l2_prefetch_early). False, nothing launched: no branches, or no such weight."""
+        these names into L2 on it (l2_prefetch.py). False, nothing launched: no branches, no
+        layer i, or no such weight."""
         if not self.branches or not names or i >= self.cfg.n_layers:
             return False
         L = self.w.layers[i]
-        ws = [getattr(L, n) for n in names if getattr(L, n, None) is not None
-              and not (n == "q_b" and self.cfg.is_csa(i))]
+        ws = [getattr(L, n) for n in names if getattr(L, n, None) is not None]
         if not ws:
             return False
         sp = self.side_pf.fork(self.stream)

@@ -112,14 +112,16 @@ def bench_cases(stream) -> list:
     for blocks in (8, 16):
         ws = [copies[i % len(copies)] for i in range(reps)]
         cases.append(BenchCase("l2_prefetch", f"prefetch_l2 {nb / 1e6:.1f} MB by {blocks} blocks",
-                               graph([fetch(w, blocks) for w in ws]), nb, launches=reps))
+                               graph([fetch(w, blocks) for w in ws]), reps * nb,
+                               launches=reps))
     ws = [copies[i % len(copies)] for i in range(reps)]
     cases.append(BenchCase("l2_prefetch", f"gemv_q8_0 {N}x{K} from DRAM",
-                           graph([multiply(w) for w in ws]), nb, flops=2 * N * K,
-                           launches=reps))
+                           graph([multiply(w) for w in ws]), reps * nb,
+                           flops=reps * 2 * N * K, launches=reps))
     pairs = []
     for w in ws:
         pairs += [fetch(w, 8), multiply(w)]
     cases.append(BenchCase("l2_prefetch", f"prefetch_l2 by 8 blocks, then gemv_q8_0 {N}x{K} "
-                           "(a pair)", graph(pairs), 2 * nb, flops=2 * N * K, launches=reps))
+                           "(a pair)", graph(pairs), reps * 2 * nb, flops=reps * 2 * N * K,
+                           launches=reps))
     return cases
