@@ -225,6 +225,15 @@ def test_the_indexer_and_combine_candidates_change_no_logit():
     assert _rel(logits["Hadamard a warp a vector"], logits["16 heads a warp"]) <= 1e-4
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the grid top-k)")
+def test_the_listed_top_k_changes_no_logit():
+    """The top-k's small second-digit bin ranked on a list (topk_listed) against the third
+    digit pass: the same picks in the same order, so the same logits bit for bit."""
+    logits = _flash_4_layer_logits({"list": dict(topk_listed=True),
+                                    "pass": dict(topk_listed=False)})
+    assert np.array_equal(logits["list"], logits["pass"])
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the engine's HC blocks)")
 def test_the_hc_kernels_with_their_loads_first_change_the_logits_by_rounding_only():
     """HC pre's u block and HC post + mix with their loads issued first (hc_u_prefetch,

@@ -204,6 +204,11 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
+        # the top-k's second-digit bin at the cut, where it holds at most 256 scores, ranked
+        # on a list by the write-out's counting pass instead of a third digit pass (FP4
+        # scores share a bin there: the top-k took 12.1 / 19.9 / 26.6 µs on three CSA layers,
+        # H100, ncu, 2026-12-06 (p)); False: the third pass
+        self.topk_listed = True
         # attn_output_a's weights (the names of these output projections: "out_a", "out_b")
         # requested into L2 by 8 blocks on a stream of their own beside the attention and its
         # combine (~30-47 µs a layer that leave DRAM idle), so that its GEMV reads L2
@@ -245,7 +250,7 @@ class DecodeEngine:
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks, l2_prefetch_next)
+        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks, l2_prefetch_next, topk_listed)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -518,7 +523,7 @@ class DecodeEngine:
             self.mem.mask_scores(scores, s)
         # the picks in ascending order: attention sums them in list order, so a run repeats
         topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt, work=work,
-             first_digit_counted=counted)
+             first_digit_counted=counted, listed=self.topk_listed)
         if self.mem is not None:  # (the global set comes in ascending order too)
             self.mem.drop_selected(self.sel, s)
 
