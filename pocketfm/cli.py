@@ -348,7 +348,8 @@ def inspect(path, all_keys):
                    "side stream; the CSA q_a norm as its own launch, the indexer's weights "
                    "after its keys; no L2 prefetch of out_a's weights, or by 16 or 4 blocks; "
                    "no L2 prefetch of the next layer's q_a beside the MoE) "
-                   "or try a candidate (the q_a norm folded on every layer; "
+                   "or try a candidate (the top-k's small threshold bin ranked on a list "
+                   "instead of a third digit pass; the q_a norm folded on every layer; "
                    "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
                    "tensor cores too), each step "
                    "captured anew, in turn, twice: an A/B in one process.")

@@ -204,11 +204,11 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
-        # the top-k's second-digit bin at the cut, where it holds at most 256 scores, ranked
-        # on a list by the write-out's counting pass instead of a third digit pass (FP4
-        # scores share a bin there: the top-k took 12.1 / 19.9 / 26.6 µs on three CSA layers,
-        # H100, ncu, 2026-12-06 (p)); False: the third pass
-        self.topk_listed = True
+        # candidate: the top-k's second-digit bin at the cut, where it holds at most 256
+        # scores, ranked on a list by the write-out's counting pass instead of a third digit
+        # pass (FP4 scores share a bin there: the top-k took 12.1 / 19.9 / 26.6 µs on three
+        # CSA layers, H100, ncu, 2026-12-06 (p)); not yet measured, its GPU test not yet run
+        self.topk_listed = False
         # attn_output_a's weights (the names of these output projections: "out_a", "out_b")
         # requested into L2 by 8 blocks on a stream of their own beside the attention and its
         # combine (~30-47 µs a layer that leave DRAM idle), so that its GEMV reads L2

@@ -734,7 +734,7 @@ def default_topk_workspace(stream=0):
 
 def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool = False,
          work=None, blocks=None, first_digit_counted: bool = False,
-         listed: bool = True) -> None:
+         listed: bool = False) -> None:
     """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
 
     The picks come in ascending index order (the naive kernel: by rank); ties at the k-th
@@ -745,7 +745,8 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
     ``first_digit_counted``: the scorer has counted the first radix digit of these scores into
     ``work`` (indexer_scores(..., top_k=(work, k))), so that pass is skipped.
     ``listed``: a second-digit bin of at most _LIST entries at the cut is ranked on a list made
-    by the write-out's counting pass, not by a third digit pass (False: always the pass).
+    by the write-out's counting pass, not by a third digit pass (a candidate, off by default:
+    simulator-tested on one block only, its GPU test and speed not yet run).
     """
     if out_idx.shape[0] != k:
         raise ValueError(f"topk: out_idx has {out_idx.shape[0]} slots, k = {k}")

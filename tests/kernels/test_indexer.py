@@ -84,7 +84,7 @@ def ascending(ref):
     return picks + [-1] * (len(ref) - len(picks))
 
 
-def run_topk(scores, n, k, naive, work=None, threads=THREADS, listed=True):
+def run_topk(scores, n, k, naive, work=None, threads=THREADS, listed=False):
     out = cuda.to_device(np.full(k, -7, np.int32))
     ix.topk(out, cuda.to_device(scores.astype(np.float32)), cuda.to_device(np.array([n], np.int32)),
             k, threads=threads, naive=naive, work=work, listed=listed)
@@ -111,16 +111,17 @@ def test_topk_distinct_scores(naive):
     assert set(alt[0]) == set(ref)  # no ties: the reference agrees with the model's op
 
 
-@pytest.mark.parametrize("naive,threads", [(True, THREADS), (False, THREADS),
-                                           (False, 96 if SIMULATOR else 512)])
-def test_topk_ties_go_to_the_lowest_index(naive, threads):
+@pytest.mark.parametrize("naive,threads,listed", [(True, THREADS, False), (False, THREADS, False),
+                                                  (False, 96 if SIMULATOR else 512, False),
+                                                  (False, 96 if SIMULATOR else 512, True)])
+def test_topk_ties_go_to_the_lowest_index(naive, threads, listed):
     # (several warps: the digit picks' scans cross warps)
     rng = fresh_rng()
     N, n, k = (257, 250, 20) if SIMULATOR else (20_003, 19_999, 512) if naive else (
         100_003, 99_999, 512)
     scores = rng.integers(0, 6, size=N).astype(np.float32) - 2.0  # heavy ties, -0/+0 too
     scores[rng.integers(0, n, size=5)] = -0.0
-    out, ref = run_topk(scores, n, k, naive, threads=threads)
+    out, ref = run_topk(scores, n, k, naive, threads=threads, listed=listed)
     assert sorted(out) == sorted(ref)
     assert naive or list(out) == ascending(ref)
     top = np.sort(scores[:n])[::-1]
