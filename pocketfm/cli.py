@@ -349,7 +349,9 @@ def inspect(path, all_keys):
                    "after its keys; no L2 prefetch of out_a's weights, or by 16 or 4 blocks; "
                    "no L2 prefetch of the next layer's q_a beside the MoE) "
                    "or try a candidate (the top-k's small threshold bin ranked on a list "
-                   "instead of a third digit pass; the q_a norm folded on every layer; "
+                   "instead of a third digit pass; the router's weights into L2 with "
+                   "out_a's; the next layer's idx_q_b with its q_a; "
+                   "the q_a norm folded on every layer; "
                    "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
                    "tensor cores too), each step "
                    "captured anew, in turn, twice: an A/B in one process.")

@@ -68,7 +68,8 @@ def _micro_prompt_logits(micro_path, variants: dict) -> dict:
     return logits
 
 
-EVERY_L2_PREFETCH = dict(l2_prefetch=("out_a", "out_b"), l2_prefetch_next=("q_a", "q_b"))
+EVERY_L2_PREFETCH = dict(l2_prefetch=("out_a", "out_b", "router"),
+                         l2_prefetch_next=("q_a", "q_b", "idx_q_b"))
 
 
 def test_the_l2_prefetch_steps_as_without_it(micro_path):

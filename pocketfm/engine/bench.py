@@ -252,7 +252,8 @@ def _decode_variants() -> dict:
     compressor on streams of their own, and the CSA q_a norm made by its readers with the
     indexer's weights on a branch of their own; out_a's weights prefetched into L2 beside the
     attention, by 8 blocks, and the next layer's q_a beside the MoE) or try a candidate (the
-    top-k's small threshold bin ranked on a list, not by a third digit pass; the q_a
+    top-k's small threshold bin ranked on a list, not by a third digit pass; the router's
+    weights into L2 with out_a's, the next layer's idx_q_b with its q_a; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
@@ -304,7 +305,11 @@ def _decode_variants() -> dict:
             "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4),
             "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=()),
             "the top-k's small threshold bin on a list, no third pass (candidate)": dict(
-                topk_listed=True)}
+                topk_listed=True),
+            "out_a's and the router's weights into L2 beside the attention (candidate)": dict(
+                l2_prefetch=("out_a", "router")),
+            "the next layer's q_a and idx_q_b into L2 beside the MoE (candidate)": dict(
+                l2_prefetch_next=("q_a", "idx_q_b"))}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -455,12 +455,13 @@ class DecodeEngine:
 
     def _prefetch_into_l2(self, i: int, names) -> bool:
         """Fork ``side_pf`` off the main stream and request the lines of layer i's weights of
-        these names into L2 on it (l2_prefetch.py). False, nothing launched: no branches, no
-        layer i, or no such weight."""
+        these names into L2 on it (l2_prefetch.py; a name that is no weight field raises
+        AttributeError). False, nothing launched: no branches, no layer i, or none of these
+        weights in it (idx_q_b off the CSA layers)."""
         if not self.branches or not names or i >= self.cfg.n_layers:
             return False
         L = self.w.layers[i]
-        ws = [getattr(L, n) for n in names if getattr(L, n, None) is not None]
+        ws = [w for w in (getattr(L, n) for n in names) if w is not None]
         if not ws:
             return False
         sp = self.side_pf.fork(self.stream)
