@@ -537,12 +537,15 @@ def _write_picks(out, j0, gt, eq, ex, run_gt, run_eq, need):
 
 @_inline
 def _list_bin(ws, j0, eq):
-    """Append the entries j0 + i with bit i of ``eq`` set (the threshold bin's) to ws's list."""
+    """Append the entries j0 + i with bit i of ``eq`` set (the threshold bin's) to ws's list,
+    fenced by the appending thread itself (the grid barrier's fence is thread 0's)."""
     for i in range(_PER_THREAD):
         if eq & (1 << i):
             slot = cuda.atomic.add(ws, _WS_LIST_N, 1)
             if slot < _LIST:
                 ws[_WS_LIST + slot] = j0 + i
+    if eq:
+        cuda.threadfence()
 
 
 @_inline
