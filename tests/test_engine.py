@@ -75,8 +75,8 @@ EVERY_L2_PREFETCH = dict(l2_prefetch=("out_a", "out_b", "router"),
 def test_the_l2_prefetch_steps_as_without_it(micro_path):
     """Weights requested into L2 on a side stream (cache hints: the output projections' beside
     the attention, the next layer's query weights beside the MoE, each branch joined at its
-    sublayer's end): the same logits step after step (their concurrency
-    is a GPU test: below)."""
+    sublayer's end): the same logits step after step (their concurrency is a GPU test:
+    below)."""
     logits = _micro_prompt_logits(micro_path, {"none": dict(l2_prefetch=()),
                                                "every": EVERY_L2_PREFETCH})
     assert np.array_equal(logits["none"], logits["every"])
