@@ -226,15 +226,6 @@ def test_the_indexer_and_combine_candidates_change_no_logit():
     assert _rel(logits["Hadamard a warp a vector"], logits["16 heads a warp"]) <= 1e-4
 
 
-@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the grid top-k)")
-def test_the_listed_top_k_changes_no_logit():
-    """The top-k's small second-digit bin ranked on a list (topk_listed) against the third
-    digit pass: the same picks in the same order, so the same logits bit for bit."""
-    logits = _flash_4_layer_logits({"list": dict(topk_listed=True),
-                                    "pass": dict(topk_listed=False)})
-    assert np.array_equal(logits["list"], logits["pass"])
-
-
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the engine's HC blocks)")
 def test_the_hc_kernels_with_their_loads_first_change_the_logits_by_rounding_only():
     """HC pre's u block and HC post + mix with their loads issued first (hc_u_prefetch,
@@ -283,6 +274,21 @@ def test_the_split_attention_prefetching_its_next_tile_changes_no_logit():
                                     "1 tile": dict(attn_prefetch=True, attn_split_tiles=1)})
     assert np.array_equal(logits["prefetch"], logits["no prefetch"])
     assert _rel(logits["1 tile"], logits["prefetch"]) <= 5e-3
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the tensor-core attention)")
+def test_the_staged_attention_changes_no_logit():
+    """HCA's tensor-core attention with q and its partials moved through shared memory against
+    straight between the fragments and memory: the same values into the same arithmetic, so
+    the same logits bit for bit; at 4 tiles a split, and with CSA's attention on the tensor
+    cores too (other splits, other sums in the combine), to rounding."""
+    logits = _flash_4_layer_logits({"staged": dict(attn_staged=True),
+                                    "unstaged": dict(attn_staged=False),
+                                    "4 tiles": dict(attn_mma_tiles=4),
+                                    "CSA too": dict(attn_mma_csa=1)})
+    assert np.array_equal(logits["staged"], logits["unstaged"])
+    assert 0 < _rel(logits["4 tiles"], logits["staged"]) <= 5e-3
+    assert 0 < _rel(logits["CSA too"], logits["staged"]) <= 5e-3
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (concurrent branches)")

@@ -252,20 +252,20 @@ def _decode_variants() -> dict:
     compressor on streams of their own, and the CSA q_a norm made by its readers with the
     indexer's weights on a branch of their own; out_a's weights prefetched into L2 beside the
     attention, by 8 blocks, and the next layer's q_a beside the MoE) or try a candidate (the
-    top-k's small threshold bin ranked on a list, not by a third digit pass; the router's
-    weights into L2 with out_a's, the next layer's idx_q_b with its q_a; the q_a
-    norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
-    query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
+    q_a norm folded on every layer: slower, the CSA layers' indexer path gets longer; the
+    indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
-    was dropped; so were the routing in the router GEMV's last block and q_a with its norm and
-    q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06; and q's norm
-    and RoPE in HCA's tensor-core attention and that attention at 8 tiles a split: 6.982 /
-    7.033 against 6.954 ms (o); the first again with the two streams apart, 8.988 against
-    8.983 ms, and out_b's x limbs made by out_a's GEMV, 9.510 against 9.320 ms (H200, 43
-    layers, 2026-12-06 (p)); out_b's weights into L2 too, 6.826 against 6.681 ms, H100 (p);
-    q_b's and idx_q_b's from the attention sublayer's start, and the next layer's q_b beside
-    the MoE, 6.785 / 6.686 against 6.573 ms, H100 (q)."""
+    was dropped; so were the top-k's small threshold bin ranked on a list instead of a third
+    digit pass, the router's weights into L2 with out_a's and the next layer's idx_q_b with
+    its q_a (+0.1%, +0.2%, 0.0%, H100, 2026-12-06 (r)); the routing in the router GEMV's last
+    block and q_a with its norm and q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms,
+    H100, 2026-12-06; and q's norm and RoPE in HCA's tensor-core attention and that attention at
+    8 tiles a split: 6.982 / 7.033 against 6.954 ms (o); the first again with the two streams
+    apart, 8.988 against 8.983 ms, and out_b's x limbs made by out_a's GEMV, 9.510 against 9.320
+    ms (H200, 43 layers, 2026-12-06 (p)); out_b's weights into L2 too, 6.826 against 6.681 ms,
+    H100 (p); q_b's and idx_q_b's from the attention sublayer's start, and the next layer's q_b
+    beside the MoE, 6.785 / 6.686 against 6.573 ms, H100 (q)."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
@@ -291,6 +291,12 @@ def _decode_variants() -> dict:
                 attn_prefetch=False),
             "the split attention at 4 tiles a split": dict(attn_split_tiles=4),
             "the split attention at 1 tile a split": dict(attn_split_tiles=1),
+            "HCA's attention with q and its partials unstaged (before)": dict(attn_staged=False),
+            "HCA's attention at 4 tiles a split (before)": dict(attn_mma_tiles=4),
+            "CSA's attention on the tensor cores too, 1 tile a split (candidate)": dict(
+                attn_mma_csa=1),
+            "CSA's attention on the tensor cores too, 2 tiles a split (candidate)": dict(
+                attn_mma_csa=2),
             "HC post + comb on the side stream (before)": dict(post_own_stream=False),
             "the compressor after the kv entry (before)": dict(compressor_own_stream=False),
             "both on the side stream (before)": dict(post_own_stream=False,
@@ -303,13 +309,7 @@ def _decode_variants() -> dict:
             "no L2 prefetch of out_a's weights (before)": dict(l2_prefetch=()),
             "out_a's weights into L2 by 16 blocks": dict(l2_prefetch_blocks=16),
             "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4),
-            "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=()),
-            "the top-k's small threshold bin on a list, no third pass (candidate)": dict(
-                topk_listed=True),
-            "out_a's and the router's weights into L2 beside the attention (candidate)": dict(
-                l2_prefetch=("out_a", "router")),
-            "the next layer's q_a and idx_q_b into L2 beside the MoE (candidate)": dict(
-                l2_prefetch_next=("q_a", "idx_q_b"))}
+            "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=())}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -197,6 +197,14 @@ class DecodeEngine:
         # time. attn_split_tiles: its least tiles a split (None: attention.SPLIT_TILES)
         self.attn_prefetch = True
         self.attn_split_tiles = None
+        # HCA's tensor-core split attention moving q and its partials through shared memory in
+        # coalesced runs (attention_decode staged; False: straight between the fragments and
+        # memory); attn_mma_tiles: its 16-slot tiles a split (3: 6.483 against 6.534 ms at 4,
+        # H100, 30 layers, --decode-ab, 2026-12-06 (r)); attn_mma_csa: the CSA layers' on the
+        # tensor cores too, at that many tiles a split (0: on the CUDA cores)
+        self.attn_staged = True
+        self.attn_mma_tiles = 3
+        self.attn_mma_csa = 0
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -204,11 +212,6 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
-        # candidate: the top-k's second-digit bin at the cut, where it holds at most 256
-        # scores, ranked on a list by the write-out's counting pass instead of a third digit
-        # pass (FP4 scores share a bin there: the top-k took 12.1 / 19.9 / 26.6 µs on three
-        # CSA layers, H100, ncu, 2026-12-06 (p)); not yet measured, its GPU test not yet run
-        self.topk_listed = False
         # attn_output_a's weights (the names of these output projections: "out_a", "out_b")
         # requested into L2 by 8 blocks on a stream of their own beside the attention and its
         # combine (~30-47 µs a layer that leave DRAM idle), so that its GEMV reads L2
@@ -249,8 +252,10 @@ class DecodeEngine:
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
-        attn_prefetch, attn_split_tiles, post_own_stream, compressor_own_stream,
-        q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks, l2_prefetch_next, topk_listed)
+        attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_mma_csa,
+        post_own_stream,
+        compressor_own_stream, q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks,
+        l2_prefetch_next)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -443,7 +448,9 @@ class DecodeEngine:
         late = self._prefetch_into_l2(i, self.l2_prefetch)
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
-                         prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles, **sim)
+                         prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
+                         staged=self.attn_staged, **self._attention_kernel(cfg.is_csa(i), every),
+                         **sim)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:
@@ -452,6 +459,16 @@ class DecodeEngine:
         if late:
             self.side_pf.join(s)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
+
+    def _attention_kernel(self, csa: bool, every: int) -> dict:
+        """attention_decode's kernel choice for a layer: HCA's (``every``) tensor cores at
+        attn_mma_tiles tiles a split; CSA's there too at attn_mma_csa tiles if set; else the
+        launcher's pick (the CUDA cores for CSA and the window-only layers)."""
+        if every:
+            return dict(tiles_per_split=self.attn_mma_tiles)
+        if self.attn_mma_csa and csa:
+            return dict(mma=True, tiles_per_split=self.attn_mma_csa)
+        return {}
 
     def _prefetch_into_l2(self, i: int, names) -> bool:
         """Fork ``side_pf`` off the main stream and request the lines of layer i's weights of
@@ -524,7 +541,7 @@ class DecodeEngine:
             self.mem.mask_scores(scores, s)
         # the picks in ascending order: attention sums them in list order, so a run repeats
         topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt, work=work,
-             first_digit_counted=counted, listed=self.topk_listed)
+             first_digit_counted=counted)
         if self.mem is not None:  # (the global set comes in ascending order too)
             self.mem.drop_selected(self.sel, s)
 

@@ -619,9 +619,9 @@ def _partials(P: int, H: int, K: int, stream):
 
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
-                     naive: bool = False, part=None, mma=None, tiles_per_split: int = 4,
+                     naive: bool = False, part=None, mma=None, tiles_per_split: int = 3,
                      out_rope=None, split_tiles: int | None = None, limbs=None,
-                     prefetch: bool = True) -> None:
+                     prefetch: bool = True, staged: bool = True) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -630,7 +630,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     ``_partials``). Launches: the split kernel, then the combine.
 
     ``mma`` True / False / None (pick): the split kernel on the tensor cores (attention_prefill's
-    kernel in its decode form, ``tiles_per_split`` 16-slot tiles a block) or on the CUDA cores.
+    kernel in its decode form, ``tiles_per_split`` 16-slot tiles a block: 3, HCA at 256K 31.8
+    µs against 34.0 at 4 and 34.4 at 1-2, H100, 2026-12-06 (r)) or on the CUDA cores.
     The pick: tensor cores for HCA on a GPU, where they win (H200, 2026-12-02, graphs of 20,
     BENCHMARKS.md: 128 + 2,048 entries 62.9 -> 42.6 µs, 128 + 8,192 148.7 -> 72.2 µs); CUDA
     cores for CSA's 640 slots (29.8 µs; tensor cores 31.0-37.7: at that size neither kernel's
@@ -638,6 +639,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
 
     ``split_tiles``: the CUDA-core kernel's least KC-slot tiles a split (SPLIT_TILES);
     ``prefetch``: its next tile's words loaded while a tile is scored (_split_kernel).
+    ``staged``: the tensor-core kernel moves q and its partials through shared memory in
+    coalesced runs (attention_prefill._mma_kernel's ``QS``).
 
     ``out_rope`` (pos [1] int32, freqs [R/2] float64): out leaves with the last R dims rotated
     back by the inverse RoPE at pos (§4.9), inside the combine (naive: norm_rope.rope after).
@@ -661,14 +664,15 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     if (all_visible and not device.SIMULATOR) if mma is None else mma:
         from .attention_prefill import MAX_MT, _mma_kernel, _no_keys, _no_rope
 
-        kern, nt, smem = _mma_kernel(K, R, 1 if H <= 16 else MAX_MT, DEC=True)
+        kern, nt, smem = _mma_kernel(K, R, 1 if H <= 16 else MAX_MT, DEC=True, QS=staged)
         P, groups = mma_splits(H, slots, tiles_per_split)
         part = _partials(P, H, K, stream) if part is None else part
         win = window_packed.view(np.uint64)
-        kern[(P, groups), nt, stream, smem](
-            part, q.reshape(1, H, K), win, win, comp_packed.view(np.uint64), _no_keys(K),
-            sel.reshape(1, sel.shape[0]), n_comp_visible, int32(all_visible), n_window, sinks,
-            float32(scale), *_no_rope(), float32(0.0))
+        device.launch_shared(
+            kern, (P, groups), nt, stream, smem, part, q.reshape(1, H, K), win, win,
+            comp_packed.view(np.uint64), _no_keys(K), sel.reshape(1, sel.shape[0]),
+            n_comp_visible, int32(all_visible), n_window, sinks, float32(scale), *_no_rope(),
+            float32(0.0))
     else:
         nt = threads or 256
         kern, smem = _split_kernel(K, R, nt, prefetch)
@@ -730,7 +734,7 @@ def bench_cases(stream) -> list[BenchCase]:
     """V4-Flash decode: H = 64 heads x K = 512 (R = 64), a full 128-entry window plus 512
     selected compressed entries (CSA) or 2048 / 8192 visible ones (HCA at 256K / 1M context);
     the CUDA-core split kernel (with and without its next tile's prefetch) and the tensor-core
-    one at 1, 2 and 4 tiles a split; the
+    one at 1-4 tiles a split (and without q and its partials staged in shared memory); the
     launcher's pick with out_a's x limbs made in the combine, and with a limbs launch after."""
     rng = np.random.default_rng(0)
     H, K, R, W = 64, 512, 64, 128
@@ -738,6 +742,9 @@ def bench_cases(stream) -> list[BenchCase]:
     kernels = {"split": dict(mma=False), "mma 1 tile/split": dict(mma=True, tiles_per_split=1),
                "mma 2 tiles/split": dict(mma=True, tiles_per_split=2),
                "mma 4 tiles/split": dict(mma=True, tiles_per_split=4),
+               "mma 3 tiles/split": dict(mma=True, tiles_per_split=3),
+               **{f"mma {t} tiles/split, q and partials unstaged": dict(
+                   mma=True, tiles_per_split=t, staged=False) for t in (2, 4)},
                **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (1, 2, 4)},
                **{f"split {t} tiles/split, no prefetch": dict(mma=False, split_tiles=t,
                                                               prefetch=False) for t in (1, 2, 4)}}

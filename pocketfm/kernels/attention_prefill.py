@@ -73,8 +73,8 @@ from .bench import BenchCase
 from .device import cdiv, xor_shfl
 from .gemv import _bits_f32
 from .lowbit_layout import _f32_bits
-from .mma import (_cp_async16, _cp_async_commit, _cp_async_wait1, _ldsm_x4, _ldsm_x4_trans,
-                  _mma_bf16, _split_pair)
+from .mma import (_cp_async16, _cp_async_commit, _cp_async_wait0, _cp_async_wait1, _ldsm_x4,
+                  _ldsm_x4_trans, _mma_bf16, _split_pair)
 from .norm_rope import rmsnorm_rope, rope, rope_ref
 
 WIN, CHUNK, COMP = 0, 1, 2  # key sources; a tile slot's code is 4·row + source (-1: no key)
@@ -416,7 +416,7 @@ def _decode_key_code(m, nwin, W, sel, all_visible, ncap):
 
 
 def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
-                KT: int = MKC, QF: bool = False):
+                KT: int = MKC, QF: bool = False, QS: bool = False):
     """(kernel, threads, dynamic shared bytes) of the tensor-core prefill attention for head
     dim K, R rope dims, MT m-tiles of 16 heads a block and KT key slots a tile (closure
     constants: literal offsets, register arrays of fixed size). ``DEC``: the decode form
@@ -427,12 +427,17 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
     MMAs). (A separate build: the branches and the second buffer made the other forms ~15%
     slower.) ``QF``: q as the q_b GEMM left it: each (token, head) row's weightless RMSNorm
     and its RoPE at qpos[t] applied as q is loaded, out's inverse RoPE as it is stored
-    (attention_prefill's ``q_norm_rope``)."""
-    key = (K, R, MT, DEC, PRE, KT, QF)
+    (attention_prefill's ``q_norm_rope``). ``QS`` (decode only): q and the partials staged in
+    shared memory, both moved in coalesced runs: the block's q rows by cp.async, all in flight
+    at once, and its partials' rows by the whole block, consecutive threads on consecutive
+    words (read straight into the fragments and written from them, q took ~8 round trips of a
+    few loads each and the partials' stores waited on the LSU queue: a third and a fifth of
+    HCA's stall samples, Nsight, H100, 2026-12-06 (r))."""
+    key = (K, R, MT, DEC, PRE, KT, QF, QS)
     if key in _MMAS:
         return _MMAS[key]
     if K % 64 or (K - R) % 64 or R % 4 or K - R > 512 or not 1 <= MT <= MAX_MT or \
-            KT not in (16, 32, 64) or DEC and (KT != MKC or QF):
+            KT not in (16, 32, 64) or DEC and (KT != MKC or QF) or QS and not DEC:
         raise ValueError(f"attention_prefill: no tensor-core layout for K={K}, R={R}, MT={MT}, "
                          f"{KT} keys a tile")
     NOPE = K - R
@@ -471,6 +476,14 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
     M0 = AL0 + HG
     L0 = M0 + HG
     WORDS = L0 + HG
+    # QS: q's rows [head][dim], then the partials' rows [head][dim | max | sum], LDQ words
+    # apart (16-byte rows for cp.async; 8 mod 32: a fragment's 8 rows x 4 lanes meet in pairs
+    # of banks at most)
+    LDQ = K + 8
+    Q0 = WORDS
+    NQC = cdiv(HG * K // 4, NT)  # q's 16-byte pieces per thread
+    RUNS = cdiv(K + 2, 32)  # a partial row's stores per lane
+    TOTAL = WORDS + (HG * LDQ if QS else 0)
 
     @_inline
     def _request_tile(wv, win, chunk, comp, kcode, b, tid):
@@ -528,7 +541,15 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
         qcs = cuda.shared.array(NP, float32)
         qsn = cuda.shared.array(NP, float32)
         ss0, ss1 = zero, zero  # QF: rows g and g + 8 of this warp's m-tile
-        for s in range(SQ):
+        if QS:  # the block's q rows on their way (read after the first tile's request)
+            for u in range(NQC):
+                it = tid + u * NT
+                hh = it // (K // 4)
+                if it < HG * K // 4 and h0 + hh < H:
+                    p = it - hh * (K // 4)
+                    _cp_async16(smem_u, Q0 + hh * LDQ + 4 * p, q, (t * H + h0 + hh) * K + 4 * p)
+            _cp_async_commit()
+        for s in range(0 if QS else SQ):
             for r in range(4):  # (g, 2c), (g+8, 2c), (g, 2c+8), (g+8, 2c+8)
                 h = h0 + hr + g + 8 * (r & 1)
                 d = (K // 4) * wq + 16 * s + 2 * c + 8 * (r >> 1)
@@ -620,7 +641,17 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
             sw = _request_tile(wv, win, chunk, comp, kcode, 0, tid)
             if tid < KT:
                 kscl[0, tid] = sw
+        if QS:
+            _cp_async_wait0()
         cuda.syncthreads()
+        if QS:  # q's fragments from shared memory, scaled, split
+            for s in range(SQ):
+                for r in range(4):
+                    hh = hr + g + 8 * (r & 1)
+                    d = (K // 4) * wq + 16 * s + 2 * c + 8 * (r >> 1)
+                    v0 = smem_f[Q0 + hh * LDQ + d] * scale if h0 + hh < H else zero
+                    v1 = smem_f[Q0 + hh * LDQ + d + 1] * scale if h0 + hh < H else zero
+                    qh[4 * s + r], ql[4 * s + r] = _split_pair(v0, v1)
         if QF:  # q normalised, rotated, scaled, split (the sums and tables: before a barrier)
             ra, rb = hr + g, hr + g + 8  # (a padded head's zeros stay: 0 bits are bf16 zeros)
             inv0 = float32(1.0 / math.sqrt((qss[ra] + qss[HG + ra] + qss[2 * HG + ra]
@@ -790,7 +821,23 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
                             al_0, al_1, al_2, al_3, b0, b1, acc[j], acc[j + 1], acc[j + 2],
                             acc[j + 3], xch)
             cuda.syncthreads()  # every warp is done with kt and P: the next tile
-        for r in range(2):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
+        if QS:  # partials [split, head, Σ p·k | max | sum]: rows into shared, then out in runs
+            for r in range(2):
+                o = Q0 + (hr + g + 8 * r) * LDQ + (K // 4) * wq + 2 * c
+                for ni in range(NI):
+                    smem_f[o + 8 * ni] = acc[4 * ni + 2 * r]
+                    smem_f[o + 8 * ni + 1] = acc[4 * ni + 2 * r + 1]
+            if tid < HG:
+                smem_f[Q0 + tid * LDQ + K] = smem_f[M0 + tid]
+                smem_f[Q0 + tid * LDQ + K + 1] = smem_f[L0 + tid]
+            cuda.syncthreads()
+            b = cuda.blockIdx.x
+            for hh in range(w, min(HG, H - h0), NT // 32):  # a warp a row, lanes on its words
+                for j in range(RUNS):
+                    d = lane + 32 * j
+                    if d < K + 2:
+                        out[b, h0 + hh, d] = smem_f[Q0 + hh * LDQ + d]
+        for r in range(0 if QS else 2):  # the sink: exp(z - M) + l·exp(m - M) in the denominator
             row = hr + g + 8 * r
             h = h0 + row
             if DEC and h < H:  # partials [split, head, Σ p·k | max | sum]: combined later
@@ -825,7 +872,9 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
         _attention_prefill_mma.__name__ = "_attention_prefill_mma_decoded"
     if QF:  # (its own name in a profile)
         _attention_prefill_mma.__name__ += "_qnorm"
-    _MMAS[key] = (_attention_prefill_mma, NT, 4 * WORDS)
+    if QS:
+        _attention_prefill_mma.__name__ += "_staged"
+    _MMAS[key] = (_attention_prefill_mma, NT, 4 * TOTAL)
     return _MMAS[key]
 
 
@@ -1018,9 +1067,9 @@ PTX_SIGNATURES = [
                                     f"uint32[:, ::1], {_TAIL})"),  # V4-Flash, 256 threads
     (_mma_kernel(512, 64, MAX_MT)[0], f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], "
                                       f"uint64[:, ::1], uint32[:, ::1], {_MMA_TAIL})"),  # V4-Flash
-    (_mma_kernel(512, 64, MAX_MT, DEC=True)[0], f"void({_F3}, {_F3}, uint64[:, ::1], "
-                                                f"uint64[:, ::1], uint64[:, ::1], "
-                                                f"uint32[:, ::1], {_MMA_TAIL})"),
+    *((_mma_kernel(512, 64, MAX_MT, DEC=True, QS=qs)[0],
+       f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], uint64[:, ::1], uint32[:, ::1], "
+       f"{_MMA_TAIL})") for qs in (False, True)),
     (_mma_kernel(512, 64, MAX_MT, PRE=True, KT=KEY_TILE_PRE)[0],
      f"void({_F3}, {_F3}, uint64[:, ::1], uint64[:, ::1], uint64[:, ::1], uint32[:, ::1], "
      f"{_MMA_TAIL})"),

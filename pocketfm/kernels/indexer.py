@@ -394,16 +394,7 @@ _MAX_BLOCKS = 1024
 _WS_GT = 3 * _HIST  # per-block counts of entries above the threshold key
 _WS_EQ = _WS_GT + _MAX_BLOCKS  # ... and equal to it
 _WS_BAR = _WS_EQ + _MAX_BLOCKS  # barrier: arrivals, generation (never cleared by the kernel)
-# Where the second digit's bin holds at most _LIST entries (and more than are still needed),
-# the third digit pass is skipped: the write-out's counting pass lists the bin's entries, and
-# after its barrier every block ranks the list by full key (ties: lower index first) for the
-# exact last pick. The list's ranking is quadratic in its length, a pass is one more read of
-# the row and a grid barrier.
-_LIST = 256
-_WS_LIST_N = _WS_BAR + 2  # the list's length (reset by block 0 before the first barrier)
-_WS_LIST = _WS_LIST_N + 1  # its entries' indices
-_WS_LEN = _WS_LIST + _LIST
-_LIST_KEYS = _LIST + 1  # the listed keys, then the last pick's (a literal for shared.array)
+_WS_LEN = _WS_BAR + 2
 
 
 @_inline
@@ -535,78 +526,11 @@ def _write_picks(out, j0, gt, eq, ex, run_gt, run_eq, need):
             n_eq += 1
 
 
-@_inline
-def _list_bin(ws, j0, eq):
-    """Append the entries j0 + i with bit i of ``eq`` set (the threshold bin's) to ws's list,
-    fenced by the appending thread itself (the grid barrier's fence is thread 0's)."""
-    for i in range(_PER_THREAD):
-        if eq & (1 << i):
-            slot = cuda.atomic.add(ws, _WS_LIST_N, 1)
-            if slot < _LIST:
-                ws[_WS_LIST + slot] = j0 + i
-    if eq:
-        cuda.threadfence()
-
-
-@_inline
-def _beats(ka, ia, kb, ib):
-    """Whether entry (key ka, index ia) ranks before (kb, ib): a larger key, or the same key
-    and a lower index (the tie rule)."""
-    return ka > kb or (ka == kb and ia < ib)
-
-
-@_inline
-def _listed_picks(bits, ws, nlist, need, lo, lidx, lkey, found):
-    """From the listed bin (nlist entries, ws's list): its last pick's key into lkey[_LIST]
-    and index into found[3], the bin's picks below index ``lo`` into found[4] (every thread
-    must call it; read them after its last barrier)."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for i in range(tid, nlist, nt):
-        j = ws[_WS_LIST + i]
-        lidx[i] = j
-        lkey[i] = _order_key(bits[j])
-    if tid == 0:
-        found[4] = 0
-    cuda.syncthreads()
-    for i in range(tid, nlist, nt):  # the entry with need - 1 entries before it is the last
-        r = 0
-        for o in range(nlist):
-            if _beats(lkey[o], lidx[o], lkey[i], lidx[i]):
-                r += 1
-        if r == need - 1:
-            lkey[_LIST] = lkey[i]
-            found[3] = lidx[i]
-    cuda.syncthreads()
-    kt, it = lkey[_LIST], found[3]
-    below = 0
-    for i in range(tid, nlist, nt):
-        if lidx[i] < lo and not _beats(kt, it, lkey[i], lidx[i]):
-            below += 1
-    if below > 0:
-        cuda.atomic.add(found, 4, below)
-    cuda.syncthreads()
-
-
-@_inline
-def _picked_of(bits, j0, eq, kt, it):
-    """The bits of ``eq`` (entries j0 + i of the listed bin) that are picks: not after the
-    last pick (key kt, index it)."""
-    picked = 0
-    for i in range(_PER_THREAD):
-        if eq & (1 << i):
-            if not _beats(kt, it, _order_key(bits[j0 + i]), j0 + i):
-                picked |= 1 << i
-    return picked
-
-
 @device.kernel
-def _topk_radix_select(out_idx, bits, n_visible, ws, counted, list_max):
+def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1], in ascending index order;
     ws[_WS_LEN] int32 scratch, its histograms zero on entry (and on exit) except, with
     ``counted``, the first digit's counts (ws[:_HIST], made by the scorer: that pass skipped).
-    ``list_max`` (<= _LIST; 0: never): the largest second-digit bin listed instead of a third
-    pass.
 
     Every block must be resident at once (grid barriers; the launcher sizes the grid)."""
     k = out_idx.shape[0]
@@ -620,20 +544,15 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted, list_max):
             out_idx[i] = i if i < n else -1
         return
     hist = cuda.shared.array(_HIST, int32)
-    found = cuda.shared.array(5, int32)
+    found = cuda.shared.array(3, int32)
     wsum = cuda.shared.array(32, int32)
     xch = cuda.shared.array(_XCH, float32)
-    lidx = cuda.shared.array(_LIST, int32)
-    lkey = cuda.shared.array(_LIST_KEYS, uint32)
     chunk = (n + G - 1) // G  # block b owns entries [lo, hi): index order is rank order
     lo = b * chunk
     hi = min(n, lo + chunk)
-    if b == 0 and tid == 0:  # (the list is written after the second pass's barrier)
-        ws[_WS_LIST_N] = 0
     prefix = 0
     pmask = 0
     need = k  # how many of the entries matching ``prefix`` still belong to the top k
-    nlist = 0  # > 0: the threshold bin's entries are listed, no third pass (_LIST)
     for p in range(3):
         shift = 21 - 11 * p if p < 2 else 0
         nb = _HIST if p < 2 else 1024
@@ -655,10 +574,8 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted, list_max):
         pmask |= (nb - 1) << shift
         need -= int(found[1])
         done = int(found[2]) == need  # typical after two passes when no scores tie
-        if p == 1 and not done and int(found[2]) <= list_max:
-            nlist = int(found[2])
         cuda.syncthreads()
-        if done or nlist > 0:
+        if done:
             break
     # entries whose digits so far beat ``prefix`` are picks, and the first ``need`` (in index
     # order) of those equal to it. Thread t owns _PER_THREAD consecutive entries of each span;
@@ -670,15 +587,10 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted, list_max):
     ex, first, gt, eq = _scan_span(bits, j0, hi, prefix, pmask, wsum, xch)
     n_gt = first & 0xFFFF  # this block's counts
     n_eq = first >> 16
-    if nlist > 0:
-        _list_bin(ws, j0, eq)
     for c0 in range(lo + span, hi, span):  # more spans: their counts only, for now
-        _, last, _, eq2 = _scan_span(bits, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum,
-                                     xch)
+        _, last, _, _ = _scan_span(bits, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum, xch)
         n_gt += last & 0xFFFF
         n_eq += last >> 16
-        if nlist > 0:
-            _list_bin(ws, c0 + _PER_THREAD * tid, eq2)
     if tid == 0:
         ws[_WS_GT + b] = n_gt
         ws[_WS_EQ + b] = n_eq
@@ -694,21 +606,6 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted, list_max):
     cuda.syncthreads()
     run_gt = int(found[0])  # block-uniform from here on
     run_eq = int(found[1])
-    if nlist > 0:  # the bin's picks by the list: counted and ranked again, by full key
-        _listed_picks(bits, ws, nlist, need, lo, lidx, lkey, found)
-        kt, it = lkey[_LIST], int(found[3])
-        run_eq = int(found[4])
-        for c0 in range(lo, hi, span):
-            j0 = c0 + _PER_THREAD * tid
-            if c0 > lo:
-                _, gt, eq = _picks4(bits, j0, hi, prefix, pmask)
-            peq = _picked_of(bits, j0, eq, kt, it)
-            v = cuda.popc(gt) + (cuda.popc(peq) << 16)
-            incl, last = _span_scan(v, wsum, xch)
-            _write_picks(out_idx, j0, gt, peq, incl - v, run_gt, run_eq, k)
-            run_gt += last & 0xFFFF
-            run_eq += last >> 16
-        return
     for c0 in range(lo, hi, span):
         last = first
         if c0 > lo:  # a later span: its entries and scan again
@@ -736,8 +633,7 @@ def default_topk_workspace(stream=0):
 
 
 def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool = False,
-         work=None, blocks=None, first_digit_counted: bool = False,
-         listed: bool = False) -> None:
+         work=None, blocks=None, first_digit_counted: bool = False) -> None:
     """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
 
     The picks come in ascending index order (the naive kernel: by rank); ties at the k-th
@@ -747,9 +643,6 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
     ``blocks``: the grid (benchmarks; default one block per ~4 entries a thread, <= SMs).
     ``first_digit_counted``: the scorer has counted the first radix digit of these scores into
     ``work`` (indexer_scores(..., top_k=(work, k))), so that pass is skipped.
-    ``listed``: a second-digit bin of at most _LIST entries at the cut is ranked on a list made
-    by the write-out's counting pass, not by a third digit pass (a candidate, off by default:
-    simulator-tested on one block only, its GPU test and speed not yet run).
     """
     if out_idx.shape[0] != k:
         raise ValueError(f"topk: out_idx has {out_idx.shape[0]} slots, k = {k}")
@@ -766,7 +659,7 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
         blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
     assert 1 <= blocks <= max(1, device.sm_count()), "topk: every block must be resident"
     _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work,
-                                           int(first_digit_counted), _LIST if listed else 0)
+                                           int(first_digit_counted))
 
 
 # ---- top-k: chunk form, one block per token ---------------------------------------------------
@@ -989,7 +882,7 @@ PTX_SIGNATURES = [
     (_V4_SCORERS[0], _SCORES_SIG),
     (_V4_SCORERS[1], _CHUNK_SIG),
     (_topk_rank, "void(int32[::1], float32[::1], int32[::1])"),
-    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1], int64, int64)"),
+    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1], int64)"),
     (_topk_chunk_kernel(_CAND), "void(int32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 

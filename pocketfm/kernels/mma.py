@@ -155,10 +155,11 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def _cp_async16(dst, i, src, j):
-        """Copy 16 bytes, global uint32 src[j .. j+3] -> shared uint32 dst[i .. i+3]
-        (i, j multiples of 4), asynchronously on a GPU (cp.async.cg): complete after the
-        thread's _cp_async_wait of its group, visible to the block after a barrier."""
-        flat = src.reshape(src.size)  # (j: a flat index, as the GPU's pointer arithmetic)
+        """Copy 16 bytes, global uint32 (or float32: its bits) src[j .. j+3] -> shared uint32
+        dst[i .. i+3] (i, j multiples of 4), asynchronously on a GPU (cp.async.cg): complete
+        after the thread's _cp_async_wait of its group, visible to the block after a barrier."""
+        # (j: a flat index, as the GPU's pointer arithmetic)
+        flat = src.reshape(src.size).view(np.uint32)
         for k in range(4):
             dst[i + k] = flat[j + k]
 
@@ -267,7 +268,8 @@ else:
 
     @intrinsic
     def _cp_async_ptx(typingctx, dst, i, src, j):
-        if not all(isinstance(a, types.Array) and a.dtype == types.uint32 for a in (dst, src)):
+        if not (isinstance(dst, types.Array) and dst.dtype == types.uint32 and
+                isinstance(src, types.Array) and src.dtype in (types.uint32, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):

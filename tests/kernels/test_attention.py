@@ -121,28 +121,33 @@ def test_attention_decode_sink_dominates():
     assert rel_err(out, ref) <= 1e-4 and np.abs(ref).max() < 1e-6
 
 
+@pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("H,nw,tiles", [(4, 11, 1), (20, 16, 2)])
-def test_attention_decode_mma_csa(H, nw, tiles):
+def test_attention_decode_mma_csa(H, nw, tiles, staged):
     """The tensor-core decode (attention_prefill's kernel, decode form) vs float64: a window
-    partly filled, selection holes; H = 20 takes two m-tiles (the second cut short); two
-    tiles a split run the in-block pipeline across tiles."""
+    partly filled, selection holes; H = 20 takes two m-tiles (the second cut short: its
+    missing heads' q rows are not copied, their partial rows not written); two tiles a split
+    run the in-block pipeline across tiles; q and the partials through shared memory or
+    not."""
     rng = fresh_rng()
     q, win, comp, sinks = decode_inputs(rng, H)
     sel = rng.choice(NCAP, S, replace=False)
     sel[rng.integers(0, S, size=2)] = -1
     out, ref = run_decode(q, win, nw, comp, sel, NCAP, 0, sinks, False, mma=True,
-                          tiles_per_split=tiles)
+                          tiles_per_split=tiles, staged=staged)
     assert rel_err(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("nc", [37, 5])
-def test_attention_decode_mma_hca(nc):
+def test_attention_decode_mma_hca(nc, staged):
     """HCA on the tensor cores; with 5 visible entries the splits sized for the capacity (40)
     outnumber the tiles, so the last splits are empty (max -inf, sum 0: weight 0)."""
     rng = fresh_rng()
     q, win, comp, sinks = decode_inputs(rng, 4)
     sel = np.full(S, 123456, np.int32)  # garbage: must not be read
-    out, ref = run_decode(q, win, W, comp, sel, nc, 1, sinks, False, mma=True, tiles_per_split=1)
+    out, ref = run_decode(q, win, W, comp, sel, nc, 1, sinks, False, mma=True, tiles_per_split=1,
+                          staged=staged)
     assert rel_err(out, ref) <= 1e-4
 
 
@@ -218,7 +223,7 @@ def test_attention_chunk():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
-@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("mma", [False, True, "unstaged"])
 @pytest.mark.parametrize("hca", [0, 1])
 def test_attention_decode_v4_shapes(hca, mma):
     rng = fresh_rng()
@@ -235,5 +240,6 @@ def test_attention_decode_v4_shapes(hca, mma):
                             sinks.astype(np.float64), 1 / math.sqrt(K4))
     out = poisoned((H, K4))
     d = [cuda.to_device(a) for a in (q, win, nw, comp, sel, nc, sinks)]
-    at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4), mma=mma)
+    at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4), mma=bool(mma),
+                        staged=mma != "unstaged")
     assert rel_err(out.copy_to_host(), ref) <= 1e-4

@@ -84,10 +84,10 @@ def ascending(ref):
     return picks + [-1] * (len(ref) - len(picks))
 
 
-def run_topk(scores, n, k, naive, work=None, threads=THREADS, listed=False):
+def run_topk(scores, n, k, naive, work=None, threads=THREADS):
     out = cuda.to_device(np.full(k, -7, np.int32))
     ix.topk(out, cuda.to_device(scores.astype(np.float32)), cuda.to_device(np.array([n], np.int32)),
-            k, threads=threads, naive=naive, work=work, listed=listed)
+            k, threads=threads, naive=naive, work=work)
     ref = np.empty(k, np.int32)
     ix.topk_ref(ref, scores, np.array([n]), k)
     return out.copy_to_host(), ref
@@ -111,17 +111,16 @@ def test_topk_distinct_scores(naive):
     assert set(alt[0]) == set(ref)  # no ties: the reference agrees with the model's op
 
 
-@pytest.mark.parametrize("naive,threads,listed", [(True, THREADS, False), (False, THREADS, False),
-                                                  (False, 96 if SIMULATOR else 512, False),
-                                                  (False, 96 if SIMULATOR else 512, True)])
-def test_topk_ties_go_to_the_lowest_index(naive, threads, listed):
+@pytest.mark.parametrize("naive,threads", [(True, THREADS), (False, THREADS),
+                                           (False, 96 if SIMULATOR else 512)])
+def test_topk_ties_go_to_the_lowest_index(naive, threads):
     # (several warps: the digit picks' scans cross warps)
     rng = fresh_rng()
     N, n, k = (257, 250, 20) if SIMULATOR else (20_003, 19_999, 512) if naive else (
         100_003, 99_999, 512)
     scores = rng.integers(0, 6, size=N).astype(np.float32) - 2.0  # heavy ties, -0/+0 too
     scores[rng.integers(0, n, size=5)] = -0.0
-    out, ref = run_topk(scores, n, k, naive, threads=threads, listed=listed)
+    out, ref = run_topk(scores, n, k, naive, threads=threads)
     assert sorted(out) == sorted(ref)
     assert naive or list(out) == ascending(ref)
     top = np.sort(scores[:n])[::-1]
@@ -134,43 +133,6 @@ def test_topk_fewer_visible_than_k(naive):
     out, ref = run_topk(scores, 13, 32, naive)
     assert sorted(out) == sorted(ref) == [-1] * 19 + list(range(13))
     assert naive or list(out) == list(range(13)) + [-1] * 19
-
-
-ONE_BITS = np.float32(1.0).view(np.uint32)
-
-
-def listed_bin_scores(rng, N, n, k, in_bin, distinct):
-    """Scores whose k-th largest sits in a bin of ``in_bin`` entries sharing the order key's top
-    22 bits (1.0 plus 0 .. 1023 ulps: two digit passes leave them together), of ``distinct``
-    values: k - in_bin // 3 entries above 100, the rest below -3; the visible ones shuffled
-    (the bin spread over the blocks)."""
-    above = k - in_bin // 3
-    ulps = rng.choice(1024, distinct, replace=False).astype(np.uint32)
-    binned = (ONE_BITS + ulps[np.arange(in_bin) % distinct]).view(np.float32)
-    scores = np.concatenate([100 + rng.permutation(above).astype(np.float32), binned,
-                             -3 - rng.random(N - above - in_bin).astype(np.float32)])
-    scores[:n] = scores[:n][rng.permutation(n)]
-    return scores
-
-
-@pytest.mark.parametrize("in_bin,distinct,listed", [(40, 40, True), (ix._LIST, 7, True),
-                                                    (ix._LIST + 1, 9, True), (40, 40, False)])
-def test_topk_ranks_a_listed_threshold_bin(in_bin, distinct, listed):
-    """The k-th score in a bin that two digit passes leave with more entries than still needed:
-    up to _LIST of them are listed and ranked by full key (ties: lower index; with 7 values in
-    256 entries the cut falls inside a tie), no third pass; a bin of _LIST + 1, or any bin
-    with ``listed`` off, takes the third pass. The same picks, in index order, either way;
-    twice on one workspace (the list's length starts at zero each call)."""
-    rng = fresh_rng()
-    N, n, k = (700, 690, 100) if SIMULATOR else (262_144, 262_139, 512)
-    work = ix.topk_workspace()
-    for _ in range(2):
-        scores = listed_bin_scores(rng, N, n, k, in_bin, distinct)
-        out, ref = run_topk(scores, n, k, False, work, listed=listed)
-        assert list(out) == ascending(ref)
-        picked = (scores[ref].view(np.uint32) >> 10) == ONE_BITS >> 10  # the bin's picks
-        assert 0 < picked.sum() < in_bin  # the cut really falls inside the bin
-    assert not work.copy_to_host()[:3 * ix._HIST].any()
 
 
 def test_topk_reuses_its_workspace():
