@@ -278,9 +278,9 @@ def test_the_split_attention_prefetching_its_next_tile_changes_no_logit():
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the tensor-core attention)")
 def test_the_staged_attention_changes_no_logit():
-    """HCA's tensor-core attention with q and its partials moved through shared memory against
-    straight between the fragments and memory: the same values into the same arithmetic, so
-    the same logits bit for bit; at 4 tiles a split, and with CSA's attention on the tensor
+    """HCA's tensor-core attention with q and its partials moved through shared memory, and the
+    CUDA-core split kernel's partials, against straight between registers and memory: the
+    same values into the same arithmetic, so the same logits bit for bit; at 4 tiles a split, and with CSA's attention on the tensor
     cores too (other splits, other sums in the combine), to rounding."""
     logits = _flash_4_layer_logits({"staged": dict(attn_staged=True),
                                     "unstaged": dict(attn_staged=False),

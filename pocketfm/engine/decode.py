@@ -198,10 +198,11 @@ class DecodeEngine:
         self.attn_prefetch = True
         self.attn_split_tiles = None
         # HCA's tensor-core split attention moving q and its partials through shared memory in
-        # coalesced runs (attention_decode staged; False: straight between the fragments and
-        # memory); attn_mma_tiles: its 16-slot tiles a split (3: 6.483 against 6.534 ms at 4,
-        # H100, 30 layers, --decode-ab, 2026-12-06 (r)); attn_mma_csa: the CSA layers' on the
-        # tensor cores too, at that many tiles a split (0: on the CUDA cores)
+        # coalesced runs, the CUDA-core one (CSA, window-only) its partials (attention_decode
+        # staged; False: straight between registers and memory); attn_mma_tiles: the tensor-core
+        # one's 16-slot tiles a split (3: 6.483 against 6.534 ms at 4, H100, 30 layers,
+        # --decode-ab, 2026-12-06 (r)); attn_mma_csa: the CSA layers' on the tensor cores too,
+        # at that many tiles a split (0: on the CUDA cores)
         self.attn_staged = True
         self.attn_mma_tiles = 3
         self.attn_mma_csa = 0

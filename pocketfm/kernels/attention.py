@@ -367,16 +367,22 @@ def _slot_code(m, s1, W, nwin, all_visible, sel, ncap):
 _SPLITS: dict = {}
 
 
-def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True):
+def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True, staged: bool = True):
     """The split kernel compiled for head dim K, R rope dims and NT threads a block (closure
     constants: literal shared-memory offsets, unrolled lane loops, 128-bit shared loads).
 
     ``prefetch``: a thread's packed words of the next tile (MAX_ITEMS at most) load into
     registers while this tile is scored, and a tile's words all load at once; without it a
-    tile's words load after the previous tile is scored, four a thread at a time."""
+    tile's words load after the previous tile is scored, four a thread at a time.
+
+    ``staged``: the partials leave through the tile's shared memory (free after the last
+    tile), a warp's rows in runs of consecutive words: a lane's values sit 4 words in every
+    128 (_dim), so storing them straight takes 4x the sectors (the stores waited on the LSU
+    queue, Nsight, H100, 2026-12-06 (q)). Needs the block's heads to fit the tile's KC rows."""
     NI = cdiv(KC * (K - R) // 4 + KC * R // 2, NT)  # the words a thread decodes a tile
     PREFETCH = prefetch and NI <= MAX_ITEMS
-    key = (K, R, NT, PREFETCH)
+    STAGED = staged and NT // 32 * HPW <= KC
+    key = (K, R, NT, PREFETCH, STAGED)
     if key in _SPLITS:
         return _SPLITS[key]
     if K % 128 or K > 32 * DPL or (K - R) % 64 or R % 2 or NT % 32:
@@ -465,14 +471,26 @@ def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True):
                     _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE)
                 cuda.syncthreads()
                 _tile_softmax(smem, kcode, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
+        b = cuda.blockIdx.x
+        if STAGED:  # (the last tile ended on a barrier: no warp reads the tile any more)
+            for hh in range(HPW):
+                row = (wid * HPW + hh) * K
+                for i in range(ND):
+                    smem[row + _dim(i, lane)] = acc[hh * DPL + i]
+            cuda.syncthreads()
         for hh in range(HPW):
             h = h0 + hh
             if h < H:
-                for i in range(ND):
-                    part[cuda.blockIdx.x, h, _dim(i, lane)] = acc[hh * DPL + i]
+                if STAGED:
+                    row = (wid * HPW + hh) * K
+                    for j in range(ND):
+                        part[b, h, lane + 32 * j] = smem[row + lane + 32 * j]
+                else:
+                    for i in range(ND):
+                        part[b, h, _dim(i, lane)] = acc[hh * DPL + i]
                 if lane == 0:
-                    part[cuda.blockIdx.x, h, K] = mr[hh]
-                    part[cuda.blockIdx.x, h, K + 1] = lr[hh]
+                    part[b, h, K] = mr[hh]
+                    part[b, h, K + 1] = lr[hh]
 
     smem_bytes = 4 * (XS + (NWARP * 32 * 33 if device.SIMULATOR else 0))
     _SPLITS[key] = (_attention_decode_split_tiles, smem_bytes)
@@ -640,7 +658,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     ``split_tiles``: the CUDA-core kernel's least KC-slot tiles a split (SPLIT_TILES);
     ``prefetch``: its next tile's words loaded while a tile is scored (_split_kernel).
     ``staged``: the tensor-core kernel moves q and its partials through shared memory in
-    coalesced runs (attention_prefill._mma_kernel's ``QS``).
+    coalesced runs (attention_prefill._mma_kernel's ``QS``), the CUDA-core kernel its
+    partials (_split_kernel).
 
     ``out_rope`` (pos [1] int32, freqs [R/2] float64): out leaves with the last R dims rotated
     back by the inverse RoPE at pos (§4.9), inside the combine (naive: norm_rope.rope after).
@@ -675,7 +694,7 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             float32(0.0))
     else:
         nt = threads or 256
-        kern, smem = _split_kernel(K, R, nt, prefetch)
+        kern, smem = _split_kernel(K, R, nt, prefetch, staged)
         P, groups = decode_splits(H, K, slots, nt, split_tiles or SPLIT_TILES)
         part = _partials(P, H, K, stream) if part is None else part
         kern[(P, groups), nt, stream, smem](
@@ -709,9 +728,9 @@ PTX_SIGNATURES = [
                               "float32, int64)"),
     (_attention_chunk_naive, "void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, ::1], "
                              "uint8[:, ::1], float32[::1], float32, int64)"),
-    *((_split_kernel(512, 64, 256, prefetch)[0],  # V4-Flash: K = 512, R = 64, 256 threads
+    *((_split_kernel(512, 64, 256, prefetch, staged)[0],  # V4-Flash: K = 512, R = 64, 256
        f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
-       "int32[::1], int32, float32)") for prefetch in (True, False)),
+       "int32[::1], int32, float32)") for prefetch in (True, False) for staged in (True, False)),
     (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1], int32[::1], "
                          "float64[::1])"),
     (_attention_combine_limbs, f"void(float32[:, ::1], int32[:, ::1], {_PART}, float32[::1], "
@@ -746,6 +765,8 @@ def bench_cases(stream) -> list[BenchCase]:
                **{f"mma {t} tiles/split, q and partials unstaged": dict(
                    mma=True, tiles_per_split=t, staged=False) for t in (2, 4)},
                **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (1, 2, 4)},
+               "split 2 tiles/split, partials unstaged": dict(mma=False, split_tiles=2,
+                                                              staged=False),
                **{f"split {t} tiles/split, no prefetch": dict(mma=False, split_tiles=t,
                                                               prefetch=False) for t in (1, 2, 4)}}
     for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):

@@ -68,20 +68,23 @@ def test_attention_decode_hca(naive):
 @pytest.mark.parametrize("hca,tiles", [(0, 1), (1, 2), (1, 4)])
 def test_the_split_kernel_prefetching_the_next_tile_changes_nothing(hca, tiles):
     """The split kernel loading the next tile's words while it scores this one (64 threads:
-    12 words a thread a tile) = the kernel loading each tile after the last, bit for bit, and
-    the reference within rounding: 1, 2 or 4 tiles a split, the last one cut short (37
-    visible compressed entries), a window partly filled, CSA holes."""
+    12 words a thread a tile) = the kernel loading each tile after the last = the kernel
+    storing its partials straight, not through shared memory, bit for bit, and the reference
+    within rounding: 1, 2 or 4 tiles a split, the last one cut short (37 visible compressed
+    entries), a window partly filled, CSA holes; 3 heads (a head group cut short)."""
     rng = fresh_rng()
-    q, win, comp, sinks = decode_inputs(rng, 4)
+    q, win, comp, sinks = decode_inputs(rng, 3)
     sel = rng.choice(NCAP, S, replace=False)
     sel[rng.integers(0, S, size=2)] = -1
     assert at._split_kernel(K, R, 64)[0] is not at._split_kernel(K, R, 64, False)[0]
+    assert at._split_kernel(K, R, 64)[0] is not at._split_kernel(K, R, 64, True, False)[0]
     got = {}
-    for prefetch in (True, False):
-        got[prefetch], ref = run_decode(q, win, 11, comp, sel, 37, hca, sinks, threads=64,
-                                        split_tiles=tiles, prefetch=prefetch)
-    assert np.array_equal(got[True], got[False])
-    assert rel_err(got[True], ref) <= 1e-4
+    for how in ((True, True), (False, True), (True, False)):
+        got[how], ref = run_decode(q, win, 11, comp, sel, 37, hca, sinks, threads=64,
+                                   split_tiles=tiles, prefetch=how[0], staged=how[1])
+    assert np.array_equal(got[True, True], got[False, True])
+    assert np.array_equal(got[True, True], got[True, False])
+    assert rel_err(got[True, True], ref) <= 1e-4
 
 
 @pytest.mark.parametrize("P", [3, 20, 34, 64])
