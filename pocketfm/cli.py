@@ -349,8 +349,8 @@ def inspect(path, all_keys):
                    "after its keys; no L2 prefetch of out_a's weights, or by 16 or 4 blocks; "
                    "no L2 prefetch of the next layer's q_a beside the MoE; HCA's "
                    "tensor-core attention with q and its partials unstaged (CSA's partials "
-                   "too), or at 4 tiles a split) or try a candidate (CSA's attention on the tensor cores too; "
-                   "the q_a norm folded on every layer; "
+                   "too), or at 4 tiles a split) or try a candidate (the q_a norm folded on "
+                   "every layer; "
                    "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
                    "tensor cores too), each step "
                    "captured anew, in turn, twice: an A/B in one process.")

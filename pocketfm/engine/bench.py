@@ -294,10 +294,6 @@ def _decode_variants() -> dict:
             "HCA's attention with q and its partials unstaged, CSA's partials too (before)": dict(
                 attn_staged=False),
             "HCA's attention at 4 tiles a split (before)": dict(attn_mma_tiles=4),
-            "CSA's attention on the tensor cores too, 1 tile a split (candidate)": dict(
-                attn_mma_csa=1),
-            "CSA's attention on the tensor cores too, 2 tiles a split (candidate)": dict(
-                attn_mma_csa=2),
             "HC post + comb on the side stream (before)": dict(post_own_stream=False),
             "the compressor after the kv entry (before)": dict(compressor_own_stream=False),
             "both on the side stream (before)": dict(post_own_stream=False,

@@ -201,11 +201,10 @@ class DecodeEngine:
         # coalesced runs, the CUDA-core one (CSA, window-only) its partials (attention_decode
         # staged; False: straight between registers and memory); attn_mma_tiles: the tensor-core
         # one's 16-slot tiles a split (3: 6.483 against 6.534 ms at 4, H100, 30 layers,
-        # --decode-ab, 2026-12-06 (r)); attn_mma_csa: the CSA layers' on the tensor cores too,
-        # at that many tiles a split (0: on the CUDA cores)
+        # --decode-ab, 2026-12-06 (r); CSA's on the tensor cores too, at 1 or 2 tiles a split:
+        # 6.449 / 6.435 against 6.436 ms, nil, removed)
         self.attn_staged = True
         self.attn_mma_tiles = 3
-        self.attn_mma_csa = 0
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -253,8 +252,7 @@ class DecodeEngine:
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
-        attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_mma_csa,
-        post_own_stream,
+        attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, post_own_stream,
         compressor_own_stream, q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks,
         l2_prefetch_next)
         set while inside, as they were after it; the step is captured anew under each (an A/B
@@ -450,8 +448,7 @@ class DecodeEngine:
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
-                         staged=self.attn_staged, **self._attention_kernel(cfg.is_csa(i), every),
-                         **sim)
+                         staged=self.attn_staged, tiles_per_split=self.attn_mma_tiles, **sim)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:
@@ -460,16 +457,6 @@ class DecodeEngine:
         if late:
             self.side_pf.join(s)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
-
-    def _attention_kernel(self, csa: bool, every: int) -> dict:
-        """attention_decode's kernel choice for a layer: HCA's (``every``) tensor cores at
-        attn_mma_tiles tiles a split; CSA's there too at attn_mma_csa tiles if set; else the
-        launcher's pick (the CUDA cores for CSA and the window-only layers)."""
-        if every:
-            return dict(tiles_per_split=self.attn_mma_tiles)
-        if self.attn_mma_csa and csa:
-            return dict(mma=True, tiles_per_split=self.attn_mma_csa)
-        return {}
 
     def _prefetch_into_l2(self, i: int, names) -> bool:
         """Fork ``side_pf`` off the main stream and request the lines of layer i's weights of
