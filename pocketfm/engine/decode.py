@@ -37,7 +37,7 @@ from numba import cuda
 from ..config import ModelConfig
 from ..errors import InputError
 from ..kernels import device
-from ..kernels.attention import attention_decode
+from ..kernels.attention import MMA_TILES, attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
@@ -204,7 +204,7 @@ class DecodeEngine:
         # --decode-ab, 2026-12-06 (r); CSA's on the tensor cores too, at 1 or 2 tiles a split:
         # 6.449 / 6.435 against 6.436 ms, nil, removed)
         self.attn_staged = True
-        self.attn_mma_tiles = 3
+        self.attn_mma_tiles = MMA_TILES
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)

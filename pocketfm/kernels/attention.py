@@ -45,6 +45,7 @@ COMBINE_THREADS = MAX_COMBINE_THREADS = 128  # the combine's block: dims of one 
 # the CUDA-core decode kernel's least KC-slot tiles a split (decode_splits). H200, graphs of 20
 # (2026-12-02), CSA 128 + 512: 1 tile 30.1 µs, 2 tiles 28.7, 4 tiles 44.3, 8 tiles 78.7
 SPLIT_TILES = 2
+MMA_TILES = 3  # the tensor-core kernel's 16-slot tiles a split (attention_decode)
 _ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
 _SHF = MAX_COMBINE_THREADS if device.SIMULATOR else 1  # the simulator's shuffle scratch
 _LIMB_BYTES = 3 * MAX_COMBINE_THREADS  # (a literal for cuda.shared.array)
@@ -637,7 +638,7 @@ def _partials(P: int, H: int, K: int, stream):
 
 def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_visible,
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
-                     naive: bool = False, part=None, mma=None, tiles_per_split: int = 3,
+                     naive: bool = False, part=None, mma=None, tiles_per_split: int = MMA_TILES,
                      out_rope=None, split_tiles: int | None = None, limbs=None,
                      prefetch: bool = True, staged: bool = True) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
@@ -648,8 +649,9 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     ``_partials``). Launches: the split kernel, then the combine.
 
     ``mma`` True / False / None (pick): the split kernel on the tensor cores (attention_prefill's
-    kernel in its decode form, ``tiles_per_split`` 16-slot tiles a block: 3, HCA at 256K 31.8
-    µs against 34.0 at 4 and 34.4 at 1-2, H100, 2026-12-06 (r)) or on the CUDA cores.
+    kernel in its decode form, ``tiles_per_split`` 16-slot tiles a block: 3, HCA at 256K 26.6
+    µs against 29.0 at 1, and −0.6% a step against 4, H100, 2026-12-06 (r)) or on the CUDA
+    cores.
     The pick: tensor cores for HCA on a GPU, where they win (H200, 2026-12-02, graphs of 20,
     BENCHMARKS.md: 128 + 2,048 entries 62.9 -> 42.6 µs, 128 + 8,192 148.7 -> 72.2 µs); CUDA
     cores for CSA's 640 slots (29.8 µs; tensor cores 31.0-37.7: at that size neither kernel's
@@ -809,4 +811,26 @@ def bench_cases(stream) -> list[BenchCase]:
             cases.append(BenchCase("attention", f"attention_decode {how} {mode} H={H} K={K} "
                                    f"M={W}+{ncomp}", with_limbs, nbytes + xl.nbytes,
                                    flops=4 * H * K * M))
+        cases.append(_combine_case(rng, stream, mode, H, K, R, M, xl, dev["sinks"]))
     return cases
+
+
+def _combine_case(rng, stream, mode: str, H: int, K: int, R: int, M: int, xl, sinks):
+    """The combine alone, as the engine runs it (out_a's limbs, the inverse RoPE), over the
+    partials of the launcher's pick for M key slots (HCA: tensor cores at MMA_TILES, CSA: the
+    CUDA-core kernel), filled with random values (its time does not depend on them): the
+    combine's part of the pair's time."""
+    P = mma_splits(H, M, MMA_TILES)[0] if mode == "HCA" else \
+        decode_splits(H, K, M, 256, SPLIT_TILES)[0]
+    part = rng.normal(size=(P, H, K + 2)).astype(np.float32)
+    part[:, :, K + 1] = np.abs(part[:, :, K + 1]) * 16  # the sums of exps: positive
+    part = cuda.to_device(part, stream=stream)
+    pos = cuda.to_device(np.array([100_000], np.int32), stream=stream)
+    freqs = cuda.to_device(10_000.0 ** (-np.arange(R // 2) / (R // 2)), stream=stream)
+    out = cuda.device_array((H, K), np.float32, stream=stream)
+
+    def combine():
+        _attention_combine_limbs[(cdiv(K, COMBINE_THREADS), H), COMBINE_THREADS, stream](
+            out, xl, part, sinks, pos, freqs)
+    return BenchCase("attention", f"attention_decode combine alone (P={P}) {mode} H={H} "
+                     f"K={K} M={M}", combine, part.nbytes + out.nbytes + xl.nbytes)

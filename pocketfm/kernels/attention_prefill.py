@@ -429,10 +429,10 @@ def _mma_kernel(K: int, R: int, MT: int, DEC: bool = False, PRE: bool = False,
     and its RoPE at qpos[t] applied as q is loaded, out's inverse RoPE as it is stored
     (attention_prefill's ``q_norm_rope``). ``QS`` (decode only): q and the partials staged in
     shared memory, both moved in coalesced runs: the block's q rows by cp.async, all in flight
-    at once, and its partials' rows by the whole block, consecutive threads on consecutive
-    words (read straight into the fragments and written from them, q took ~8 round trips of a
-    few loads each and the partials' stores waited on the LSU queue: a third and a fifth of
-    HCA's stall samples, Nsight, H100, 2026-12-06 (r))."""
+    at once, and its partials a warp a row, lanes on consecutive words (read straight into the
+    fragments and written from them, q took ~8 round trips of a few loads each and the
+    partials' stores waited on the LSU queue: a third and a fifth of HCA's stall samples;
+    staged, HCA at 256K 26.6 against 37.8 µs with the combine, H100, 2026-12-06 (r))."""
     key = (K, R, MT, DEC, PRE, KT, QF, QS)
     if key in _MMAS:
         return _MMAS[key]
