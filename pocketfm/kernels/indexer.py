@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .. import ops
 from . import device, indexer_mma, indexer_warp, kvpack
@@ -487,14 +487,23 @@ def _span_scan(v, wsum, xch):
 
 
 @_inline
-def _picks4(bits, j, hi, prefix, pmask):
-    """Entries j .. j+3 (< hi) against the threshold: (count above it + count equal to it
-    << 16, a bit per entry above, a bit per entry equal)."""
+def _load_keys(keys, bits, j, n):
+    """keys[i] <- the order key of entry j + i, i < _PER_THREAD (entries from n - 1 on read
+    entry n - 1: every load unconditional, so all go out before the first is used)."""
+    for i in range(_PER_THREAD):
+        keys[i] = _order_key(bits[min(j + i, n - 1)])
+
+
+@_inline
+def _picks4(keys, j, hi, prefix, pmask):
+    """Entries j .. j+3 (< hi; their order keys in keys, _load_keys) against the threshold:
+    (count above it + count equal to it << 16, a bit per entry above, a bit per entry
+    equal)."""
     gt = 0
     eq = 0
     for i in range(_PER_THREAD):
         if j + i < hi:
-            u = _order_key(bits[j + i]) & pmask
+            u = keys[i] & pmask
             if u > prefix:
                 gt |= 1 << i
             elif u == prefix:
@@ -503,10 +512,10 @@ def _picks4(bits, j, hi, prefix, pmask):
 
 
 @_inline
-def _scan_span(bits, j0, hi, prefix, pmask, wsum, xch):
+def _scan_span(keys, j0, hi, prefix, pmask, wsum, xch):
     """_picks4 of this thread's entries j0 .. j0+3, ranked over the block by _span_scan:
     (packed count of the span's entries before j0, the span's packed total, gt / eq bits)."""
-    v, gt, eq = _picks4(bits, j0, hi, prefix, pmask)
+    v, gt, eq = _picks4(keys, j0, hi, prefix, pmask)
     incl, total = _span_scan(v, wsum, xch)
     return incl - v, total, gt, eq
 
@@ -553,6 +562,16 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     chunk = (n + G - 1) // G  # block b owns entries [lo, hi): index order is rank order
     lo = b * chunk
     hi = min(n, lo + chunk)
+    # One span (the usual case: N <= 2,048 a block): a thread's _PER_THREAD consecutive
+    # entries loaded once, here, in flight during the first digit's pick, and every pass then
+    # reads them from registers (a pass's loop over the block's stride waited on memory for
+    # each of its entries in turn, and the write-out loaded them again)
+    span = _PER_THREAD * nt
+    j0 = lo + _PER_THREAD * tid
+    keys = cuda.local.array(_PER_THREAD, int64)
+    one_span = hi - lo <= span  # (block-uniform)
+    if one_span:
+        _load_keys(keys, bits, j0, n)
     prefix = 0
     pmask = 0
     need = k  # how many of the entries matching ``prefix`` still belong to the top k
@@ -563,10 +582,16 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
             for i in range(tid, nb, nt):
                 hist[i] = 0
             cuda.syncthreads()
-            for j in range(lo + tid, hi, nt):
-                u = _order_key(bits[j])
-                if (u & pmask) == prefix:
-                    cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+            if one_span:
+                for i in range(_PER_THREAD):
+                    u = keys[i]
+                    if j0 + i < hi and (u & pmask) == prefix:
+                        cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+            else:
+                for j in range(lo + tid, hi, nt):
+                    u = _order_key(bits[j])
+                    if (u & pmask) == prefix:
+                        cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
             cuda.syncthreads()
             for i in range(tid, nb, nt):
                 if hist[i] > 0:
@@ -583,15 +608,16 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     # entries whose digits so far beat ``prefix`` are picks, and the first ``need`` (in index
     # order) of those equal to it. Thread t owns _PER_THREAD consecutive entries of each span;
     # a block scan of (above, equal) counts ranks them, and the counts of the whole range go to
-    # ws for the blocks after this one. One span per block is the usual case (N <= 2,048 per
-    # block): its entries and scan then stay in registers across the grid barrier.
-    span = _PER_THREAD * nt
-    j0 = lo + _PER_THREAD * tid
-    ex, first, gt, eq = _scan_span(bits, j0, hi, prefix, pmask, wsum, xch)
+    # ws for the blocks after this one. With one span its entries and scan stay in registers
+    # across the grid barrier.
+    if not one_span:
+        _load_keys(keys, bits, j0, n)
+    ex, first, gt, eq = _scan_span(keys, j0, hi, prefix, pmask, wsum, xch)
     n_gt = first & 0xFFFF  # this block's counts
     n_eq = first >> 16
     for c0 in range(lo + span, hi, span):  # more spans: their counts only, for now
-        _, last, _, _ = _scan_span(bits, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum, xch)
+        _load_keys(keys, bits, c0 + _PER_THREAD * tid, n)
+        _, last, _, _ = _scan_span(keys, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum, xch)
         n_gt += last & 0xFFFF
         n_eq += last >> 16
     if tid == 0:
@@ -613,7 +639,8 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
         last = first
         if c0 > lo:  # a later span: its entries and scan again
             j0 = c0 + _PER_THREAD * tid
-            ex, last, gt, eq = _scan_span(bits, j0, hi, prefix, pmask, wsum, xch)
+            _load_keys(keys, bits, j0, n)
+            ex, last, gt, eq = _scan_span(keys, j0, hi, prefix, pmask, wsum, xch)
         _write_picks(out_idx, j0, gt, eq, ex, run_gt, run_eq, need)
         run_gt += last & 0xFFFF
         run_eq += last >> 16
