@@ -306,9 +306,7 @@ def _decode_variants() -> dict:
             "no L2 prefetch of out_a's weights (before)": dict(l2_prefetch=()),
             "out_a's weights into L2 by 16 blocks": dict(l2_prefetch_blocks=16),
             "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4),
-            "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=()),
-            "the indexer scorer staging q a block stride at a time (before)": dict(
-                scorer_q_strided=True)}
+            "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=())}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -212,9 +212,6 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
-        # that scorer staging q as it did, a word a step of a loop over the block's stride (a
-        # round trip to memory every few words; now all its 64 loads a thread at once)
-        self.scorer_q_strided = False
         # attn_output_a's weights (the names of these output projections: "out_a", "out_b")
         # requested into L2 by 8 blocks on a stream of their own beside the attention and its
         # combine (~30-47 µs a layer that leave DRAM idle), so that its GEMV reads L2
@@ -257,7 +254,7 @@ class DecodeEngine:
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, post_own_stream,
         compressor_own_stream, q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks,
-        l2_prefetch_next, scorer_q_strided)
+        l2_prefetch_next)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -527,8 +524,7 @@ class DecodeEngine:
             both = self.scorer_counts_first_digit and self.mem is None
             counted = indexer_scores(scores, q, w, c.index_keys, n, stream=s, threads=nt,
                                      q_fp4=self.indexer_one_warp,  # (hadamard_fp4's q)
-                                     top_k=(work, cfg.index_topk) if both else None,
-                                     strided_q=self.scorer_q_strided)
+                                     top_k=(work, cfg.index_topk) if both else None)
         if self.mem is not None:  # top-k inside the Memory Indexer's resident set
             self.mem.mask_scores(scores, s)
         # the picks in ascending order: attention sums them in list order, so a run repeats

@@ -67,14 +67,10 @@ def fits_warp(HI: int, DI: int) -> bool:
             and kvpack.index_key_bytes(DI) % 4 == 0)
 
 
-def _warp_scorer(HI: int, DI: int, groups: int, NT: int, strided: bool = False):
+def _warp_scorer(HI: int, DI: int, groups: int):
     """The one-warp decode kernel for HI heads of DI dims, ``groups`` 8-key MMA groups a warp a
-    step, blocks of NT threads (closure constants: register arrays, loops of known trips).
-    ``strided``: q staged as before, a fragment word a step of a loop over the block's stride
-    (for bench --decode-ab)."""
-    STRIDED = strided
+    step (closure constants: register arrays)."""
     MT, S, NB = HI // 16, DI // 16, DI // 32  # m-tiles, k-steps, scale blocks
-    QPT = HI * DI // 2 // NT  # q's value pairs a thread stages
     NA = 4 * MT * S  # A registers a lane
     NC = 4 * MT  # C registers a lane (per accumulator)
     QF = 32 * NA  # q's fragments, every lane's
@@ -107,7 +103,7 @@ def _warp_scorer(HI: int, DI: int, groups: int, NT: int, strided: bool = False):
         N = out.shape[0]
         n = min(int(n_visible[0]), N, keys32.shape[0])
         count = k > 0 and n > k  # (grid-uniform)
-        tid, nt = cuda.threadIdx.x, NT
+        tid, nt = cuda.threadIdx.x, cuda.blockDim.x
         lane, warp = tid & 31, tid >> 5
         g, c = lane >> 2, lane & 3
         step_keys = (nt >> 5) * KPW
@@ -127,31 +123,14 @@ def _warp_scorer(HI: int, DI: int, groups: int, NT: int, strided: bool = False):
         if count:
             for i in range(tid, FIRST_DIGIT_BINS, nt):
                 hs[i] = 0
-        # q's pairs (h, d), (h, d + 1), d even, a thread's QPT of them requested at once (a
-        # loop of known trips, unrolled: one wait on memory, where a loop over the block's
-        # stride took a round trip every few pairs), then each put where its fragment reads it
-        qa0 = cuda.local.array(QPT, float32)
-        qa1 = cuda.local.array(QPT, float32)
-        for j in range(0 if STRIDED else QPT):
-            f = 2 * (j * NT + tid)
-            qa0[j] = q[f // DI, f % DI]
-            qa1[j] = q[f // DI, f % DI + 1]
-        for i in range(tid, QF if STRIDED else 0, nt):  # (before)
+        for i in range(tid, QF, nt):
+            # register r = 4(mt·S + s) + v of lane (gl, cl): head 16mt + gl (+8 for odd v),
+            # dims 16s + 4cl (+2 for v >= 2) and the next
             r, l = i >> 5, i & 31
             v, ms = r & 3, r >> 2
             h = 16 * (ms // S) + (l >> 2) + 8 * (v & 1)
             d = 16 * (ms % S) + 4 * (l & 3) + 2 * (v >> 1)
-            qf[i] = _split_pair(q[h, d], q[h, d + 1])[0]
-        for j in range(0 if STRIDED else QPT):
-            # pair (h, d) is word v of register r = 4(mt·S + s) + v of lane (g, c): h = 16mt +
-            # g + 8(v & 1), d = 16s + 4c + 2(v >> 1)
-            f = 2 * (j * NT + tid)
-            h, d = f // DI, f % DI
-            hh, dd = h & 15, d & 15
-            v = (hh >> 3) + 2 * ((dd >> 1) & 1)
-            r = 4 * ((h >> 4) * S + (d >> 4)) + v
-            qf[r * 32 + 4 * (hh & 7) + (dd >> 2)] = _split_pair(qa0[j], qa1[j])[0]  # (exact:
-            # q is on the FP4 grid)
+            qf[i] = _split_pair(q[h, d], q[h, d + 1])[0]  # exact: q is on the FP4 grid
         for i in range(tid, HI, nt):
             ws[i] = w[i]
         cuda.syncthreads()
@@ -225,7 +204,7 @@ def _warp_scorer(HI: int, DI: int, groups: int, NT: int, strided: bool = False):
             for i in range(tid, FIRST_DIGIT_BINS, nt):
                 if hs[i] > 0:
                     cuda.atomic.add(hist, i, hs[i])
-    name = f"_indexer_scores_warp_hi{HI}_di{DI}_g{groups}_t{NT}{'_strided' * STRIDED}"
+    name = f"_indexer_scores_warp_hi{HI}_di{DI}_g{groups}"
     scores_warp.__name__ = scores_warp.__qualname__ = name  # (the qualname: debug line info)
     return kernel(scores_warp)
 
@@ -233,12 +212,10 @@ def _warp_scorer(HI: int, DI: int, groups: int, NT: int, strided: bool = False):
 _WARP_KERNELS: dict = {}
 
 
-def _warp_kernel(HI: int, DI: int, groups: int = WARP_GROUPS, threads: int = WARP_THREADS,
-                 strided: bool = False):
-    key = (HI, DI, groups, threads, strided)
-    if key not in _WARP_KERNELS:
-        _WARP_KERNELS[key] = _warp_scorer(*key)
-    return _WARP_KERNELS[key]
+def _warp_kernel(HI: int, DI: int, groups: int = WARP_GROUPS):
+    if (HI, DI, groups) not in _WARP_KERNELS:
+        _WARP_KERNELS[HI, DI, groups] = _warp_scorer(HI, DI, groups)
+    return _WARP_KERNELS[HI, DI, groups]
 
 
 _NO_HIST = []  # a 1-element int32 stand-in for ``hist`` (made once)
@@ -246,16 +223,14 @@ _NO_HIST = []  # a 1-element int32 stand-in for ``hist`` (made once)
 
 def indexer_scores_warp(out, q, w, keys_packed, n_visible, stream=0,
                         threads: int = WARP_THREADS, groups: int = WARP_GROUPS,
-                        first_digit=None, strided_q: bool = False) -> None:
+                        first_digit=None) -> None:
     """Decode form (as indexer_scores_mma) for q on the FP4 grid (hadamard_fp4's output), one
     warp holding every head: fits_warp(HI, DI) must hold. ``first_digit`` = (workspace, k):
     also count the top-k's first digit into that topk_workspace (see above). ``threads`` /
-    ``groups``: the block and the 8-key groups a warp takes a step (benchmarks); ``strided_q``:
-    q staged as before (``_warp_scorer``'s strided)."""
+    ``groups``: the block and the 8-key groups a warp takes a step (benchmarks)."""
     HI, DI = q.shape
     assert fits_warp(HI, DI), (HI, DI)
-    assert threads % 32 == 0 and HI * DI // 2 % threads == 0, threads
-    kern = _warp_kernel(HI, DI, groups, threads, strided_q)
+    kern = _warp_kernel(HI, DI, groups)
     if first_digit is None:
         if not _NO_HIST:
             _NO_HIST.append(cuda.to_device(np.zeros(1, np.int32)))
@@ -269,8 +244,7 @@ def indexer_scores_warp(out, q, w, keys_packed, n_visible, stream=0,
 
 # CI lane B compiles both at V4's geometry
 PTX_SIGNATURES = [
-    (_warp_kernel(64, 128, groups, strided=strided),
-     "void(float32[::1], float32[:, ::1], float32[::1], uint32[:, ::1], int32[::1], int32[::1], "
-     "int64)")
-    for groups, strided in ((1, False), (2, False), (2, True))
+    (_warp_kernel(64, 128, groups), "void(float32[::1], float32[:, ::1], float32[::1], "
+                                    "uint32[:, ::1], int32[::1], int32[::1], int64)")
+    for groups in (1, 2)
 ]

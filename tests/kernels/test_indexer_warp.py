@@ -34,27 +34,6 @@ def test_scores_decode_one_warp_all_heads(HI, DI, n):
     check_scores(out.copy_to_host()[None], ref, [min(n, N)])
 
 
-@pytest.mark.parametrize("HI,DI,threads", [(64, 128, 128), (32, 64, 64)])
-def test_q_staged_at_once_equals_q_staged_a_stride_at_a_time(HI, DI, threads):
-    """q's fragments staged from loads all issued at once (the pairs in flat order, each then
-    put at its fragment word) against the word-a-step loop over the block's stride: the same
-    fragments, so the same scores bit for bit."""
-    rng = fresh_rng()
-    ncap = N = 200
-    keys = np.empty((ncap, ix.kvpack.index_key_bytes(DI)), np.uint8)
-    ix.kvpack.pack_index_key_ref(keys, _fp4_spread(rng, (ncap, DI)))
-    q, w = _fp4_spread(rng, (1, HI, DI))[0], rng.normal(size=HI).astype(np.float32)
-    args = [cuda.to_device(a) for a in (q, w, keys, np.array([N], np.int32))]
-    got = []
-    for strided in (False, True):
-        out = poisoned(N)
-        indexer_warp.indexer_scores_warp(out, args[0], args[1], args[2], args[3],
-                                         threads=threads, strided_q=strided)
-        got.append(out.copy_to_host())
-    assert np.isfinite(got[0]).all() and np.array_equal(got[0].view(np.int32),
-                                                        got[1].view(np.int32))
-
-
 @pytest.mark.parametrize("n,k", [(261, 24), (20, 24)])
 def test_scorer_counts_the_top_ks_first_digit(n, k):
     """indexer_scores(top_k=(work, k)) counts the top-k's first radix digit into its workspace,
