@@ -242,24 +242,6 @@ def routed_setup(qtype, N: int, K: int, stream, E: int = 256, k: int = 6):
     return host, host.to_device(), id_sets, cuda.device_array((k, N), np.float32, stream=stream)
 
 
-def routed_x_and_ref(host, id_sets, N: int, K: int, stream):
-    """The IQ2_XXS gate+up benchmarks' one x row [1, K] (seeded) on the device and ``ref()``:
-    gemv_lowbit's float64 reference of ``host`` for the first id set, every id on that row
-    (graph_cases' check)."""
-    from .gemv_lowbit import gemv_iq2_xxs_ref
-
-    x = cuda.to_device(np.random.default_rng(1).standard_normal((1, K)).astype(np.float32),
-                       stream=stream)
-    k = id_sets[0].shape[0]
-
-    def ref():
-        r = np.empty((k, N), np.float64)
-        gemv_iq2_xxs_ref(r, host, np.repeat(x.copy_to_host(), k, axis=0),
-                         id_sets[0].copy_to_host())
-        return r
-    return x, ref
-
-
 def graph_cases(family: str, label: str, makers, id_sets, out, ref, stream, nbytes: int,
                 flops: int) -> list:
     """A BenchCase per (name, make) of ``makers``: make(ids) -> one launch; the 16 launches

@@ -41,8 +41,8 @@ from ..quants import GGMLType
 from .bench import BenchCase
 from .device import SIMULATOR, cdiv, kernel, resident_blocks, stream_buffer, xor_shfl
 from .imma import (ROWS, WARPS, XCH, _lds_u32, _mma_s8, _shared_at, _shf_r, _syncwarp,
-                   graph_cases, hi_lo_bytes, quad_sums, routed_setup, routed_x_and_ref,
-                   tile_out, tile_thread)
+                   graph_cases, hi_lo_bytes, quad_sums, routed_setup, tile_out,
+                   tile_thread)
 from .lowbit_layout import _ld_u64x2, _prmt
 from .qweight import QWeight
 
@@ -225,7 +225,10 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
             for j in range(per_warp):
                 stage = w + j * nw
                 _syncwarp()  # the warp's rows are free (the last stage's reads are done)
-                stage_rows(rows, pre, w, lr, lc)
+                for i in range(4):
+                    at = uint32((w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
+                    rows[at] = pre[2 * i]
+                    rows[at + uint32(1)] = pre[2 * i + 1]
                 d0, d8, d0b, d8b = dpre[0], dpre[1], dpre[2], dpre[3]
                 _syncwarp()
                 # the next stage's bytes in flight during this one's math (or the next tile's)
@@ -250,15 +253,6 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
             tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125))
             tn += cuda.gridDim.x
     return gemv_iq2_xxs_imma_tiles
-
-
-@cuda.jit(device=True)
-def stage_rows(rows, pre, w, lr, lc):
-    """Store this lane's share of a stage (_load_stage's ``pre``) into warp w's shared rows."""
-    for i in range(4):
-        at = uint32((w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
-        rows[at] = pre[2 * i]
-        rows[at + uint32(1)] = pre[2 * i + 1]
 
 
 @cuda.jit(device=True)
@@ -385,13 +379,20 @@ def bench_cases(stream) -> list[BenchCase]:
     N, K = 4096, 4096
     host, dev, id_sets, out = routed_setup(GGMLType.IQ2_XXS, N, K, stream)
     k = out.shape[0]
-    x, ref = routed_x_and_ref(host, id_sets, N, K, stream)
+    x = cuda.to_device(np.random.default_rng(1).standard_normal((1, K)).astype(np.float32),
+                       stream=stream)
 
     def imma(ids, build=None):
         return lambda: gemv_prepared(out, dev, prepare_x(x, stream), ids, stream, build)
 
     def dp4a(ids):
         return lambda: gl.gemv_prepared(out, dev, gl.prepare_x(dev, x, stream), ids, stream)
+
+    def ref():
+        r = np.empty((k, N), np.float64)
+        gl.gemv_iq2_xxs_ref(r, host, np.repeat(x.copy_to_host(), k, axis=0),
+                            id_sets[0].copy_to_host())
+        return r
     makers = [("_gemv_iq2_xxs_imma_tiles", imma), ("_gemv_iq2_xxs_dp4a_slots", dp4a)]
     makers += [(kern.__name__, lambda ids, b=b: imma(ids, b)) for b, kern in CANDIDATES.items()]
     return graph_cases("imma_iq2_xxs", f"+ x prep, {k} of 256 x {N}x{K} (gate+up)", makers,
