@@ -703,6 +703,13 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
             sel, n_comp_visible, int32(all_visible), float32(scale))
     pos, freqs = out_rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
+    _combine(out, part, sinks, pos, freqs, limbs, stream)
+
+
+def _combine(out, part, sinks, pos, freqs, limbs, stream) -> None:
+    """attention_decode's second launch: the combine of the partials into out [H, K] (and
+    out's limbs, where ``limbs`` is given)."""
+    H, K = out.shape
     grid = (cdiv(K, COMBINE_THREADS), H)
     if limbs is None:
         _attention_combine[grid, COMBINE_THREADS, stream](out, part, sinks, pos, freqs)
@@ -830,7 +837,6 @@ def _combine_case(rng, stream, mode: str, H: int, K: int, R: int, M: int, xl, si
     out = cuda.device_array((H, K), np.float32, stream=stream)
 
     def combine():
-        _attention_combine_limbs[(cdiv(K, COMBINE_THREADS), H), COMBINE_THREADS, stream](
-            out, xl, part, sinks, pos, freqs)
+        _combine(out, part, sinks, pos, freqs, xl, stream)
     return BenchCase("attention", f"attention_decode combine alone (P={P}) {mode} H={H} "
                      f"K={K} M={M}", combine, part.nbytes + out.nbytes + xl.nbytes)
