@@ -289,6 +289,18 @@ def test_the_staged_attention_changes_no_logit():
     assert 0 < _rel(logits["4 tiles"], logits["staged"]) <= 5e-3
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the attention's combine)")
+def test_the_spread_combine_changes_the_logits_by_rounding_only():
+    """The attention's combine with the splits spread over 2 / 4 / 8 groups of threads
+    (attn_combine_groups) against a thread a dim: the same weights, the partials added in
+    another order (a group's splits, then the groups), so the logits agree to rounding, and
+    the spread forms with each other likewise."""
+    logits = _flash_4_layer_logits({"thread a dim": dict(attn_combine_groups=0),
+                                    **{g: dict(attn_combine_groups=g) for g in (2, 4, 8)}})
+    for g in (2, 4, 8):
+        assert 0 < _rel(logits[g], logits["thread a dim"]) <= 5e-3, g
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (concurrent branches)")
 def test_post_and_compressor_on_streams_of_their_own_change_no_logit():
     """HC pre's post + comb on a stream of their own, the compressor on a branch of its own,

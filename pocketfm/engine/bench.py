@@ -306,7 +306,9 @@ def _decode_variants() -> dict:
             "no L2 prefetch of out_a's weights (before)": dict(l2_prefetch=()),
             "out_a's weights into L2 by 16 blocks": dict(l2_prefetch_blocks=16),
             "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4),
-            "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=())}
+            "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=()),
+            **{f"the combine spread over {g} groups (candidate)": dict(attn_combine_groups=g)
+               for g in (2, 4, 8)}}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

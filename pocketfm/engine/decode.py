@@ -205,6 +205,10 @@ class DecodeEngine:
         # 6.449 / 6.435 against 6.436 ms, nil, removed)
         self.attn_staged = True
         self.attn_mma_tiles = MMA_TILES
+        # candidate: the attention's combine with the splits spread over this many groups of
+        # a block's threads, every partial's load issued at once (attention._spread_combine);
+        # 0: a thread a dim, 16 loads at a time
+        self.attn_combine_groups = 0
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
@@ -252,9 +256,9 @@ class DecodeEngine:
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
-        attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, post_own_stream,
-        compressor_own_stream, q_a_norm_in_readers, l2_prefetch, l2_prefetch_blocks,
-        l2_prefetch_next)
+        attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_combine_groups,
+        post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
+        l2_prefetch_blocks, l2_prefetch_next)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -448,7 +452,8 @@ class DecodeEngine:
         attention_decode(self.o.reshape(H, K), q2, c.window, self.n_window, comp, sel, n_comp,
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
-                         staged=self.attn_staged, tiles_per_split=self.attn_mma_tiles, **sim)
+                         staged=self.attn_staged, tiles_per_split=self.attn_mma_tiles,
+                         combine_groups=self.attn_combine_groups, **sim)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:

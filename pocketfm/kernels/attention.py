@@ -30,7 +30,7 @@ from .. import ops
 from . import device, kvpack
 from .bench import BenchCase
 from .device import cdiv
-from .gemv import XLW, _as_int32, _limb_bytes, _limb_scales, _make_limbs
+from .gemv import XLW, _as_int32, _ld_x2, _limb_bytes, _limb_scales, _make_limbs
 from .lowbit_layout import _f32_bits
 from .norm_rope import rope, rope_element
 
@@ -47,7 +47,7 @@ COMBINE_THREADS = MAX_COMBINE_THREADS = 128  # the combine's block: dims of one 
 SPLIT_TILES = 2
 MMA_TILES = 3  # the tensor-core kernel's 16-slot tiles a split (attention_decode)
 _ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
-_SHF = MAX_COMBINE_THREADS if device.SIMULATOR else 1  # the simulator's shuffle scratch
+_SHF = 512 if device.SIMULATOR else 1  # the simulator's shuffle scratch (a block's threads)
 _LIMB_BYTES = 3 * MAX_COMBINE_THREADS  # (a literal for cuda.shared.array)
 assert HPW * KC == 32 and COMBINE_THREADS % 16 == 0
 
@@ -499,19 +499,17 @@ def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True, staged: bool =
 
 
 @_inline
-def _combined(out, part, sinks, pos, freqs):
-    """The combine of this thread's dim (below): writes out[h, d] and returns it (0 past
-    K). Every thread of the block must call it."""
+def _split_weights(wts, part, sinks, h, K):
+    """wts[p] <- w_p = exp(m_p - M) / den for the P splits of head h (shared memory, MAX_SPLITS),
+    M = max(max_p m_p, z_h), den = Σ_p exp(m_p - M) l_p + exp(z_h - M); ends at a barrier.
+    Every warp reads split p's (m_p, l_p) on lane p % 32 (P <= 64: two a lane) and takes M
+    and the denominator by shuffles; warp 0 keeps the weights. Two exps a thread, where taking
+    every split's exp in every thread cost 2P + 1 (41 at P = 20) in a row. Every thread of
+    the block must call it."""
     P = part.shape[0]
-    H, K = out.shape
-    h = cuda.blockIdx.y
     t = cuda.threadIdx.x
     lane = t & 31
-    wts = cuda.shared.array(MAX_SPLITS, float32)  # w_p = exp(m_p - M) / den
     red = cuda.shared.array(_SHF, float32)  # (the simulator's warp sums)
-    # every warp: split p's (m_p, l_p) on lane p % 32 (P <= 64: two a lane), M and the
-    # denominator by warp shuffles; warp 0 keeps the weights. Two exps a thread, where taking
-    # every split's exp in every thread cost 2P + 1 (41 at P = 20) in a row
     ninf = float32(-math.inf)
     m0 = part[lane, h, K] if lane < P else ninf
     m1 = part[lane + 32, h, K] if lane + 32 < P else ninf
@@ -528,6 +526,18 @@ def _combined(out, part, sinks, pos, freqs):
         if lane + 32 < P:
             wts[lane + 32] = e1 * inv
     cuda.syncthreads()
+
+
+@_inline
+def _combined(out, part, sinks, pos, freqs):
+    """The combine of this thread's dim (below): writes out[h, d] and returns it (0 past
+    K). Every thread of the block must call it."""
+    P = part.shape[0]
+    H, K = out.shape
+    h = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    wts = cuda.shared.array(MAX_SPLITS, float32)  # w_p = exp(m_p - M) / den
+    _split_weights(wts, part, sinks, h, K)
     d = cuda.blockIdx.x * cuda.blockDim.x + t
     o = float32(0.0)
     if d < K:
@@ -564,27 +574,22 @@ def _attention_combine(out, part, sinks, pos, freqs):
     _combined(out, part, sinks, pos, freqs)
 
 
-@device.kernel
-def _attention_combine_limbs(out, xl, part, sinks, pos, freqs):
-    """_attention_combine, and then the int8 limbs of out that attn_output_a's dp4a GEMV reads
-    (gemv.py's words: XLW a 16-column chunk of out viewed as rows of xl.shape[1] / XLW · 16
-    values), made here instead of by a launch of their own on the step's critical path. A chunk
-    is 16 neighbouring threads (K and the block a multiple of 16): its max by 4 xor shuffles,
-    each thread its element's 3 roundings (gemv._limb_bytes, as _q8_0_x_limbs_words makes them:
-    the same words), and one thread in four packs four elements' bytes through shared memory."""
-    o = _combined(out, part, sinks, pos, freqs)
-    K = out.shape[1]
+@_inline
+def _put_limbs(xl, o, d, K):
+    """out's limbs (see _attention_combine_limbs) from thread t's element o = out[h, d]
+    (h = blockIdx.y; the threads past MAX_COMBINE_THREADS hold none: d = K). Every thread of
+    the block must call it."""
     h = cuda.blockIdx.y
     t = cuda.threadIdx.x
-    d = cuda.blockIdx.x * cuda.blockDim.x + t
     xch = cuda.shared.array(_SHF, float32)  # (the simulator's shuffles)
     qb = cuda.shared.array(_LIMB_BYTES, int32)  # the limbs' bytes, by thread
     amax = abs(o) if d < K else float32(0.0)
     for off in (1, 2, 4, 8):
         amax = max(amax, device.xor_shfl(amax, off, xch))
     s1, s2, s3, i1, i2, i3 = _limb_scales(amax)
-    qb[t], qb[MAX_COMBINE_THREADS + t], qb[2 * MAX_COMBINE_THREADS + t] = _limb_bytes(
-        o, s1, s2, s3, i1, i2, i3)
+    if t < MAX_COMBINE_THREADS:
+        qb[t], qb[MAX_COMBINE_THREADS + t], qb[2 * MAX_COMBINE_THREADS + t] = _limb_bytes(
+            o, s1, s2, s3, i1, i2, i3)
     cuda.syncthreads()
     if d < K and d % 4 == 0:
         f = h * K + d  # out's flat index: row, 16-column chunk c, word m of the chunk
@@ -597,6 +602,93 @@ def _attention_combine_limbs(out, xl, part, sinks, pos, freqs):
             a = qb[b] + (qb[b + 1] << 8) + (qb[b + 2] << 16) + (qb[b + 3] << 24)
             xl[row, XLW * c + 4 * li + m] = _as_int32(a)
         xl[row, XLW * c + 12 + m] = np.int64(_f32_bits(s1)) if m == 0 else np.int64(0)
+
+
+@device.kernel
+def _attention_combine_limbs(out, xl, part, sinks, pos, freqs):
+    """_attention_combine, and then the int8 limbs of out that attn_output_a's dp4a GEMV reads
+    (gemv.py's words: XLW a 16-column chunk of out viewed as rows of xl.shape[1] / XLW · 16
+    values), made here instead of by a launch of their own on the step's critical path. A chunk
+    is 16 neighbouring threads (K and the block a multiple of 16): its max by 4 xor shuffles,
+    each thread its element's 3 roundings (gemv._limb_bytes, as _q8_0_x_limbs_words makes them:
+    the same words), and one thread in four packs four elements' bytes through shared memory."""
+    o = _combined(out, part, sinks, pos, freqs)
+    _put_limbs(xl, o, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, out.shape[1])
+
+
+SPREAD_DIMS = 128  # the spread combine's dims a block: 64 pairs, a pair a thread of a group
+MAX_GROUPS = 8  # its split groups at most (64 x 8 = 512 threads)
+_SPREAD_SUMS = MAX_GROUPS * SPREAD_DIMS  # (a literal for cuda.shared.array)
+_SPREAD: dict = {}  # (groups, limbs) -> the spread combine kernel
+
+
+def _spread_combine(G: int, limbs: bool):
+    """The combine with the splits spread over G groups of a block's threads (G a divisor of
+    MAX_SPLITS, at most MAX_GROUPS; 64·G threads, SPREAD_DIMS dims a block): thread t of group
+    g = t // 64 loads dims (2c, 2c + 1), c = t % 64, of splits g, g + G, ... (at most
+    MAX_SPLITS / G, one 8-byte load each, all issued at once, before the weights are known),
+    the groups' sums meet in shared memory (added in group order), and the block's first
+    SPREAD_DIMS threads finish as _attention_combine (the inverse RoPE; with ``limbs`` out's
+    limbs as _attention_combine_limbs). The 128-thread combine keeps a thread's P loads in
+    batches of 16 a thread, each a round trip after the last, and 8 warps an SM. Arguments:
+    (out, xl, part, sinks, pos, freqs); xl is ignored without ``limbs``."""
+    if (G, limbs) in _SPREAD:
+        return _SPREAD[G, limbs]
+    assert MAX_SPLITS % G == 0 and G <= MAX_GROUPS and SPREAD_DIMS == MAX_COMBINE_THREADS
+    J = MAX_SPLITS // G  # splits a thread, at most
+    J2 = 2 * J
+    LIMBS = limbs
+
+    @device.kernel
+    def _attention_combine_spread(out, xl, part, sinks, pos, freqs):
+        P = part.shape[0]
+        H, K = out.shape
+        h = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        g = t // 64
+        c2 = 2 * (t % 64)
+        d0 = cuda.blockIdx.x * SPREAD_DIMS + c2
+        first = h * (K + 2) + min(d0, K - 2)  # part[0, h, d0], flat (K even: 8-byte aligned)
+        acc = cuda.local.array(J2, float32)
+        for j in range(J):
+            p = g + G * j
+            if p < P and d0 < K:
+                acc[2 * j], acc[2 * j + 1] = _ld_x2(part, p * H * (K + 2) + first)
+            else:
+                acc[2 * j] = float32(0.0)
+                acc[2 * j + 1] = float32(0.0)
+        wts = cuda.shared.array(MAX_SPLITS, float32)
+        _split_weights(wts, part, sinks, h, K)
+        o0 = float32(0.0)
+        o1 = float32(0.0)
+        for j in range(J):
+            p = g + G * j
+            w = wts[p] if p < P else float32(0.0)
+            o0 += acc[2 * j] * w
+            o1 += acc[2 * j + 1] * w
+        sums = cuda.shared.array(_SPREAD_SUMS, float32)
+        sums[g * SPREAD_DIMS + c2] = o0
+        sums[g * SPREAD_DIMS + c2 + 1] = o1
+        cuda.syncthreads()
+        tt = min(t, SPREAD_DIMS - 1)  # the first SPREAD_DIMS threads: dim tt of the block
+        d = cuda.blockIdx.x * SPREAD_DIMS + t if t < SPREAD_DIMS else K
+        o = float32(0.0)
+        for gg in range(G):
+            o += sums[gg * SPREAD_DIMS + tt]
+        nope = K - 2 * freqs.shape[0]
+        if nope <= d < K:  # the pair partner: the neighbouring dim, its sums in the same order
+            other = float32(0.0)
+            for gg in range(G):
+                other += sums[gg * SPREAD_DIMS + (tt ^ 1)]
+            even = (d - nope) % 2 == 0
+            o = rope_element(o, other, pos[0], freqs[(d - nope) // 2], even, True)
+        if d < K:
+            out[h, d] = o
+        if LIMBS:
+            _put_limbs(xl, o, d, K)
+
+    _SPREAD[G, limbs] = _attention_combine_spread
+    return _attention_combine_spread
 
 
 _SCRATCH: dict = {}  # (P, H, K) -> the split partials part[P, H, K+2], allocated once
@@ -640,7 +732,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
                      all_visible: int, sinks, scale: float, stream=0, threads=None,
                      naive: bool = False, part=None, mma=None, tiles_per_split: int = MMA_TILES,
                      out_rope=None, split_tiles: int | None = None, limbs=None,
-                     prefetch: bool = True, staged: bool = True) -> None:
+                     prefetch: bool = True, staged: bool = True,
+                     combine_groups: int = 0) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -668,7 +761,10 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
 
     ``limbs``: int32 [rows, cols / 16 · XLW] gets the int8 limbs of out viewed as [rows, cols]
     (gemv.q8_0_limbs' words; the x of attn_output_a's dp4a GEMV, gemv_q8_0(limbs=)), made by
-    the combine itself (K a multiple of 16; naive: a limbs launch after)."""
+    the combine itself (K a multiple of 16; naive: a limbs launch after).
+
+    ``combine_groups`` > 0: the combine with the splits spread over that many groups of a
+    block's threads, every load issued at once (_spread_combine); 0: a thread a dim."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
@@ -703,18 +799,27 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             part, q, window_packed.view(np.uint32), n_window, comp_packed.view(np.uint32),
             sel, n_comp_visible, int32(all_visible), float32(scale))
     pos, freqs = out_rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
-    _combine(out, part, sinks, pos, freqs, limbs, stream)
+    _combine(out, part, sinks, pos, freqs, limbs, stream, combine_groups)
 
 
-def _combine(out, part, sinks, pos, freqs, limbs, stream) -> None:
+def _combine(out, part, sinks, pos, freqs, limbs, stream, groups: int = 0) -> None:
     """attention_decode's second launch: the combine of the partials into out [H, K] (and
-    out's limbs, where ``limbs`` is given)."""
+    out's limbs, where ``limbs`` is given); ``groups`` > 0: the spread combine of that many
+    split groups (_spread_combine)."""
     H, K = out.shape
+    if limbs is not None:
+        assert K % 16 == 0 and H * K == limbs.shape[0] * limbs.shape[1] // XLW * 16, limbs.shape
+    if groups:
+        if "no limbs" not in _SPREAD:
+            _SPREAD["no limbs"] = cuda.device_array((1, XLW), np.int32)
+        kern = _spread_combine(groups, limbs is not None)
+        xl = _SPREAD["no limbs"] if limbs is None else limbs
+        kern[(cdiv(K, SPREAD_DIMS), H), 64 * groups, stream](out, xl, part, sinks, pos, freqs)
+        return
     grid = (cdiv(K, COMBINE_THREADS), H)
     if limbs is None:
         _attention_combine[grid, COMBINE_THREADS, stream](out, part, sinks, pos, freqs)
     else:
-        assert K % 16 == 0 and H * K == limbs.shape[0] * limbs.shape[1] // XLW * 16, limbs.shape
         _attention_combine_limbs[grid, COMBINE_THREADS, stream](out, limbs, part, sinks, pos,
                                                                 freqs)
 
@@ -744,6 +849,9 @@ PTX_SIGNATURES = [
                          "float64[::1])"),
     (_attention_combine_limbs, f"void(float32[:, ::1], int32[:, ::1], {_PART}, float32[::1], "
                                "int32[::1], float64[::1])"),
+    *((_spread_combine(groups, limbs), f"void(float32[:, ::1], int32[:, ::1], {_PART}, "
+                                       "float32[::1], int32[::1], float64[::1])")
+      for groups in (2, 4, 8) for limbs in (True, False)),
 ]
 
 
@@ -818,15 +926,15 @@ def bench_cases(stream) -> list[BenchCase]:
             cases.append(BenchCase("attention", f"attention_decode {how} {mode} H={H} K={K} "
                                    f"M={W}+{ncomp}", with_limbs, nbytes + xl.nbytes,
                                    flops=4 * H * K * M))
-        cases.append(_combine_case(rng, stream, mode, H, K, R, M, xl, dev["sinks"]))
+        cases += _combine_cases(rng, stream, mode, H, K, R, M, xl, dev["sinks"])
     return cases
 
 
-def _combine_case(rng, stream, mode: str, H: int, K: int, R: int, M: int, xl, sinks):
+def _combine_cases(rng, stream, mode: str, H: int, K: int, R: int, M: int, xl, sinks):
     """The combine alone, as the engine runs it (out_a's limbs, the inverse RoPE), over the
     partials of the launcher's pick for M key slots (HCA: tensor cores at MMA_TILES, CSA: the
     CUDA-core kernel), filled with random values (its time does not depend on them): the
-    combine's part of the pair's time."""
+    combine's part of the pair's time; a thread a dim, and spread over 2, 4, 8 split groups."""
     P = mma_splits(H, M, MMA_TILES)[0] if mode == "HCA" else \
         decode_splits(H, K, M, 256, SPLIT_TILES)[0]
     part = rng.normal(size=(P, H, K + 2)).astype(np.float32)
@@ -836,7 +944,12 @@ def _combine_case(rng, stream, mode: str, H: int, K: int, R: int, M: int, xl, si
     freqs = cuda.to_device(10_000.0 ** (-np.arange(R // 2) / (R // 2)), stream=stream)
     out = cuda.device_array((H, K), np.float32, stream=stream)
 
-    def combine():
-        _combine(out, part, sinks, pos, freqs, xl, stream)
-    return BenchCase("attention", f"attention_decode combine alone (P={P}) {mode} H={H} "
-                     f"K={K} M={M}", combine, part.nbytes + out.nbytes + xl.nbytes)
+    cases = []
+    for groups in (0, 2, 4, 8):
+        def combine(groups=groups):
+            _combine(out, part, sinks, pos, freqs, xl, stream, groups)
+        how = f"spread over {groups} groups" if groups else "alone"
+        cases.append(BenchCase("attention", f"attention_decode combine {how} (P={P}) {mode} "
+                               f"H={H} K={K} M={M}", combine,
+                               part.nbytes + out.nbytes + xl.nbytes))
+    return cases

@@ -82,6 +82,12 @@ if SIMULATOR:
         f = a.ravel()
         return f[i], f[i + 1], f[i + 2], f[i + 3]
 
+    def _ld_x2(a, i):
+        """Elements i, i+1 of C-contiguous ``a`` in flat order (on the GPU one 8-byte
+        ld.global.nc.v2; i % 2 == 0)."""
+        f = a.ravel()
+        return f[i], f[i + 1]
+
     def _ld(a, i):
         """Element i of C-contiguous ``a`` in flat order."""
         return a.ravel()[i]
@@ -112,21 +118,30 @@ else:
     def _flat_ok(a, i):
         return isinstance(a, types.Array) and a.layout == "C" and isinstance(i, types.Integer)
 
-    @intrinsic
-    def _ld_x4(typingctx, a, i):
-        if not (_flat_ok(a, i) and a.dtype.bitwidth == 32):
-            return None
-        code = "f" if isinstance(a.dtype, types.Float) else "r"
-        ptx = "ld.global.nc.v4.%s {$0, $1, $2, $3}, [$4];" % ("f32" if code == "f" else "b32")
+    def _vector_load(n):
+        """An intrinsic loading elements i .. i+n-1 of a C-contiguous 32-bit array in one
+        ld.global.nc.v{n} (i % n == 0)."""
+        @intrinsic
+        def load(typingctx, a, i):
+            if not (_flat_ok(a, i) and a.dtype.bitwidth == 32):
+                return None
+            code = "f" if isinstance(a.dtype, types.Float) else "r"
+            regs = ", ".join(f"${k}" for k in range(n))
+            ptx = f"ld.global.nc.v{n}.{'f32' if code == 'f' else 'b32'} {{{regs}}}, [${n}];"
 
-        def codegen(context, builder, sig, args):
-            ptr = _flat_ptr(context, builder, sig, args)
-            elt = context.get_value_type(sig.args[0].dtype)
-            fty = ir.FunctionType(ir.LiteralStructType([elt] * 4), [ptr.type])
-            asm = ir.InlineAsm(fty, ptx, f"={code},={code},={code},={code},l")
-            s = builder.call(asm, [ptr])
-            return cgutils.pack_array(builder, [builder.extract_value(s, k) for k in range(4)])
-        return types.UniTuple(a.dtype, 4)(a, i), codegen
+            def codegen(context, builder, sig, args):
+                ptr = _flat_ptr(context, builder, sig, args)
+                elt = context.get_value_type(sig.args[0].dtype)
+                fty = ir.FunctionType(ir.LiteralStructType([elt] * n), [ptr.type])
+                asm = ir.InlineAsm(fty, ptx, ",".join([f"={code}"] * n + ["l"]))
+                s = builder.call(asm, [ptr])
+                return cgutils.pack_array(builder, [builder.extract_value(s, k)
+                                                    for k in range(n)])
+            return types.UniTuple(a.dtype, n)(a, i), codegen
+        return load
+
+    _ld_x4 = _vector_load(4)
+    _ld_x2 = _vector_load(2)
 
     @intrinsic
     def _ld(typingctx, a, i):

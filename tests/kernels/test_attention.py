@@ -87,12 +87,14 @@ def test_the_split_kernel_prefetching_the_next_tile_changes_nothing(hca, tiles):
     assert rel_err(got[True, True], ref) <= 1e-4
 
 
+@pytest.mark.parametrize("groups", [0, 2, 8])
 @pytest.mark.parametrize("P", [3, 20, 34, 64])
-def test_the_combine_merges_the_split_partials_with_the_sink(P):
+def test_the_combine_merges_the_split_partials_with_the_sink(P, groups):
     """The combine alone against the merge in float64: w_p = exp(m_p - M), out = Σ w_p acc_p
     / (Σ w_p l_p + exp(z - M)); one split empty (max -inf, sum 0); P below, at and past a
     16-load batch, up to MAX_SPLITS; K = 192 (the second block's threads past K write
-    nothing)."""
+    nothing). A thread a dim, or the splits spread over 2 or 8 groups of threads (P below,
+    at and past a group's share)."""
     from pocketfm.kernels import device
 
     rng = fresh_rng()
@@ -109,9 +111,8 @@ def test_the_combine_merges_the_split_partials_with_the_sink(P):
     den = (w * part[:, :, K + 1]).sum(axis=0) + np.exp(sinks - M)
     ref = np.einsum("ph,phk->hk", w, part[:, :, :K].astype(np.float64)) / den[:, None]
     out = cuda.to_device(np.full((H, K), np.nan, np.float32))
-    at._attention_combine[(2, H), at.COMBINE_THREADS](
-        out, cuda.to_device(part), cuda.to_device(sinks), device.empty_vector(np.int32),
-        device.empty_vector(np.float64))
+    at._combine(out, cuda.to_device(part), cuda.to_device(sinks), device.empty_vector(np.int32),
+                device.empty_vector(np.float64), None, 0, groups)
     assert rel_err(out.copy_to_host(), ref) <= 1e-6
 
 
@@ -154,7 +155,8 @@ def test_attention_decode_mma_hca(nc, staged):
     assert rel_err(out, ref) <= 1e-4
 
 
-@pytest.mark.parametrize("how", [dict(naive=True), dict(naive=False), dict(mma=True)])
+@pytest.mark.parametrize("how", [dict(naive=True), dict(naive=False), dict(mma=True),
+                                 dict(naive=False, combine_groups=4)])
 def test_attention_decode_rotates_the_output_back(how):
     """``out_rope``: the inverse RoPE inside the combine (the naive path: a launch after) =
     the reference's output through rope_ref(inverse), and within float32 rounding of the
@@ -182,7 +184,8 @@ def test_attention_decode_rotates_the_output_back(how):
     assert rel_err(rotated, two.copy_to_host()[0]) <= 1e-6
 
 
-@pytest.mark.parametrize("how", [dict(naive=True), dict(naive=False), dict(mma=True)])
+@pytest.mark.parametrize("how", [dict(naive=True), dict(naive=False), dict(mma=True),
+                                 dict(mma=True, combine_groups=2)])
 def test_attention_decode_makes_the_out_a_limbs(how):
     """``limbs``: the combine also writes the int8 limbs of its output viewed as [2, H·K/2]
     (attn_output_a's x), exactly the words q8_0_limbs makes of that output (naive: a limbs
