@@ -301,6 +301,19 @@ def test_the_spread_combine_changes_the_logits_by_rounding_only():
         assert 0 < _rel(logits[g], logits["thread a dim"]) <= 5e-3, g
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the indexer's query)")
+def test_the_indexer_query_in_one_launch_changes_no_logit():
+    """The indexer query's GEMV, RoPE, Hadamard and FP4 in one launch (idx_query_one_launch)
+    against gemv then hadamard_fp4: the same sums in the same order, so the same logits bit
+    for bit, on the CSA layer whether its q_a norm is made by the GEMV or by a launch."""
+    logits = _flash_4_layer_logits({
+        "two": dict(idx_query_one_launch=False), "one": dict(idx_query_one_launch=True),
+        "two, norm launch": dict(idx_query_one_launch=False, q_a_norm_in_readers=False),
+        "one, norm launch": dict(idx_query_one_launch=True, q_a_norm_in_readers=False)})
+    assert np.array_equal(logits["one"], logits["two"])
+    assert np.array_equal(logits["one, norm launch"], logits["two, norm launch"])
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (concurrent branches)")
 def test_post_and_compressor_on_streams_of_their_own_change_no_logit():
     """HC pre's post + comb on a stream of their own, the compressor on a branch of its own,

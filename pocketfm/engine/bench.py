@@ -308,7 +308,8 @@ def _decode_variants() -> dict:
             "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4),
             "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=()),
             **{f"the combine spread over {g} groups (candidate)": dict(attn_combine_groups=g)
-               for g in (2, 4, 8)}}
+               for g in (2, 4, 8)},
+            "the indexer query in one launch (candidate)": dict(idx_query_one_launch=True)}
 
 
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:

@@ -47,6 +47,7 @@ from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.l2_prefetch import prefetch_l2
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
+from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
 from ..kernels.qat import hadamard_fp4, kv_pack
 from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
@@ -240,6 +241,11 @@ class DecodeEngine:
         # prefill's kernel) instead of a block a vector (None: the launcher's pick, the block):
         # 7.816 / 7.675 against 7.814 / 7.678 ms, nil
         self.hadamard_warp = None
+        # candidate: the indexer query's GEMV, RoPE, Hadamard and FP4 in one launch, a block a
+        # head (kernels/indexer_query.py; where idx_q_b is a float weight a warp holds);
+        # False: the GEMV, then hadamard_fp4 (12.4 + 8.2 µs on every CSA layer's path, ncu,
+        # H100, 2026-12-06 (p))
+        self.idx_query_one_launch = False
         # the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
         # (kernels/imma_iq2_xxs.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
         # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j)): 10.257
@@ -255,6 +261,7 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
+        idx_query_one_launch,
         imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
@@ -510,9 +517,13 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         HI, DI = cfg.index_heads, cfg.index_dim
         x, norm = idx_x
-        gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, x, None, s, threads=nt, norm=norm)
-        hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt, rope=(self.pos, L.freqs),
-                     warp=self.hadamard_warp, **sim)  # RoPE, rotation, FP4: one launch
+        if self.idx_query_one_launch and not device.SIMULATOR and fits_indexer_query(
+                L.idx_q_b, DI):  # (the simulator's engine runs keep the naive kernels)
+            indexer_query(self.qi_rot, L.idx_q_b, x, norm, (self.pos, L.freqs), True, s)
+        else:
+            gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, x, None, s, threads=nt, norm=norm)
+            hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt,
+                         rope=(self.pos, L.freqs), warp=self.hadamard_warp, **sim)
         if self.branches:
             self.side_idx.join(s)
             if self._q_a_norm_in_readers(i, L):

@@ -9,4 +9,4 @@ kernel's V4-Flash-shaped benchmark for ``bin/bench-kernels``.
 FAMILIES = ("kvpack", "gemv", "gemv_lowbit", "norm_rope", "hc", "embed_sample", "qat",
             "compressor", "indexer", "attention", "attention_prefill", "moe", "retriever",
             "kvgather", "mma", "indexer_mma", "indexer_warp", "hmma", "imma_iq2_xxs",
-            "imma_q2_k", "gemv_pipelined", "l2_prefetch")
+            "imma_q2_k", "gemv_pipelined", "l2_prefetch", "indexer_query")

@@ -551,6 +551,25 @@ def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, S
                 sv[i * CPL + j] = np.float32(_ld(ws, row * ks + c // CPS))
 
 
+@cuda.jit(device=True)
+def _norm_x(xf, base, nw, eps, K, c0, nchunk, CPL, EC, scratch):
+    """x <- rmsnorm(x) * nw on the x a lane holds, xf[base + j·EC + i] (element i of chunk
+    c0 + 32j, j < CPL; x = 0 past the row), where the warp's lanes hold the whole row of K:
+    one warp sum of squares (norm_row's formula)."""
+    ss = np.float32(0)
+    for j in range(CPL):
+        for i in range(EC):
+            v = xf[base + j * EC + i]
+            ss += v * v
+    tot = warp_sum(ss, scratch)
+    inv = np.float32(1.0 / math.sqrt(tot / K + eps))
+    for j in range(CPL):
+        c = min(c0 + j * 32, nchunk - 1)
+        for i in range(EC):
+            sl = base + j * EC + i
+            xf[sl] = xf[sl] * inv * nw[c * EC + i]
+
+
 def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm: bool = False,
                    **opts):
     """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
@@ -619,18 +638,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                         xf[sl * EC + i] = x[t0 + b, c * EC + i] if ok else np.float32(0)
         if NORM:  # (wk_n = 1: the warp's lanes hold the whole row of each token)
             for b in range(B):
-                ss = np.float32(0)
-                for j in range(CPL):
-                    for i in range(EC):
-                        v = xf[(b * CPL + j) * EC + i]
-                        ss += v * v
-                tot = warp_sum(ss, scratch)
-                inv = np.float32(1.0 / math.sqrt(tot / K + eps))
-                for j in range(CPL):
-                    c = min(c0 + j * 32, nchunk - 1)
-                    for i in range(EC):
-                        sl = (b * CPL + j) * EC + i
-                        xf[sl] = xf[sl] * inv * nw[c * EC + i]
+                _norm_x(xf, b * CPL * EC, nw, eps, K, c0, nchunk, CPL, EC, scratch)
         p = 0
         while g < ngroups:  # persistent blocks: grid-stride over groups of wr_n * R rows
             n0 = (g * wr_n + wr) * R

@@ -437,26 +437,24 @@ def _hadamard_fp4_serial(out, x, fp4):
             out[t, hd, c] = fp4_value(h[c], e) if fp4 else h[c]
 
 
-@device.kernel
-def _hadamard_fp4_shared(out, x, fp4, pos, freqs):
-    """One block per head vector: butterfly in float64 shared memory (a barrier per stage),
-    block maxima by group_absmax, threads striding over the DI elements. With freqs [P] not
-    empty the vector is first RoPE'd at pos[t] (forward, last 2P dims, as norm_rope.rope: cos
-    and sin of a float64 angle in float32), on the way into shared memory."""
+@device_fn
+def rotate_block_vector(out, t, hd, v, fp4, pos, freqs):
+    """out[t, hd, :] <- the vector v[0:DI] (float32 shared memory, DI = out.shape[2]) RoPE'd
+    at pos[t] (forward, the last 2P dims, as norm_rope.rope: cos and sin of a float64 angle in
+    float32; nothing with freqs [P] empty) on its way into a float64 butterfly, rotated by
+    the orthonormal Hadamard, then (fp4) the e2m1 round-trip per 32. The block's threads
+    stride over the elements; v is overwritten. Every thread of the block must call it."""
     h = cuda.shared.array(MAX_DI, float64)
-    v = cuda.shared.array(MAX_DI, float32)
     part = cuda.shared.array(MAX_DI_PARTS, float32)
     gmax = cuda.shared.array(MAX_DI_BLOCKS, float32)
-    T, H, DI = x.shape
-    t = cuda.blockIdx.x // H
-    hd = cuda.blockIdx.x - t * H
+    DI = out.shape[2]
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     nope = DI - 2 * freqs.shape[0]
     for c in range(tid, DI, nt):
-        v0 = x[t, hd, c]
+        v0 = v[c]
         if c >= nope:  # (never, without freqs) pairs (nope + 2k, nope + 2k + 1): partner c ^ 1
-            v0 = norm_rope.rope_element(v0, x[t, hd, c ^ 1], pos[t], freqs[(c - nope) // 2],
+            v0 = norm_rope.rope_element(v0, v[c ^ 1], pos[t], freqs[(c - nope) // 2],
                                         c % 2 == 0, False)
         h[c] = v0
     cuda.syncthreads()
@@ -472,6 +470,21 @@ def _hadamard_fp4_shared(out, x, fp4, pos, freqs):
     else:
         for c in range(tid, DI, nt):
             out[t, hd, c] = v[c]
+
+
+@device.kernel
+def _hadamard_fp4_shared(out, x, fp4, pos, freqs):
+    """One block per head vector: the vector into shared memory, then rotate_block_vector (the
+    RoPE with freqs [P] not empty, a float64 butterfly with a barrier per stage, block maxima
+    by group_absmax, threads striding over the DI elements)."""
+    v = cuda.shared.array(MAX_DI, float32)
+    T, H, DI = x.shape
+    t = cuda.blockIdx.x // H
+    hd = cuda.blockIdx.x - t * H
+    for c in range(cuda.threadIdx.x, DI, cuda.blockDim.x):
+        v[c] = x[t, hd, c]
+    cuda.syncthreads()
+    rotate_block_vector(out, t, hd, v, fp4, pos, freqs)
 
 
 _SHFL_SCRATCH = MAX_THREADS if device.SIMULATOR else 1  # xor_shfl's simulator exchange
