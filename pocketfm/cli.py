@@ -350,10 +350,11 @@ def inspect(path, all_keys):
                    "no L2 prefetch of the next layer's q_a beside the MoE; HCA's "
                    "tensor-core attention with q and its partials unstaged (CSA's partials "
                    "too), or at 4 tiles a split) or try a candidate (the q_a norm folded on "
-                   "every layer; "
-                   "the indexer query's Hadamard a warp a vector; the routed down on the int8 "
-                   "tensor cores too), each step "
-                   "captured anew, in turn, twice: an A/B in one process.")
+                   "every layer; the indexer query's Hadamard a warp a vector, or its GEMV, "
+                   "RoPE, Hadamard and FP4 in one launch; the attention's combine with its "
+                   "splits spread over 2, 4 or 8 thread groups; the routed down on the int8 "
+                   "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
+                   "process.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
