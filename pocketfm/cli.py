@@ -355,6 +355,9 @@ def inspect(path, all_keys):
                    "splits spread over 2, 4 or 8 thread groups; the routed down on the int8 "
                    "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
                    "process.")
+@click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",
+              help="--decode-ab with only the variants whose names contain TEXT (any of them "
+                   "when repeated; case-insensitive), beside the step as landed.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
@@ -382,8 +385,8 @@ def inspect(path, all_keys):
                    "tok/s then counts N layers' work, not the model's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, ncu_chunk,
-          prefill_ab, decode_ab, prefill, prefill_chunk, kv_swap, gpu_chunks, interval, churn,
-          commit_lag, layers, as_json):
+          prefill_ab, decode_ab, decode_ab_only, prefill, prefill_chunk, kv_swap, gpu_chunks,
+          interval, churn, commit_lag, layers, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -411,6 +414,14 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, n
     for flag, on in (("--ncu-chunk", ncu_chunk), ("--prefill-ab", prefill_ab)):
         if on and not prefill:
             raise InputError(f"{flag}: needs --prefill N (the chunk it times again)")
+    if decode_ab_only:
+        from .engine.bench import decode_variant_names
+
+        decode_ab = decode_variant_names(decode_ab_only)
+        if len(decode_ab) < 2:
+            names = "; ".join(decode_variant_names([""])[1:])
+            raise InputError(f"--decode-ab-only {' / '.join(decode_ab_only)}: no --decode-ab "
+                             f"variant's name contains it; the names: {names}")
     resolve_device("cuda")
     from .engine.bench import run_bench
 

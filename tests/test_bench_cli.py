@@ -126,6 +126,21 @@ def test_decode_variants_time_the_step_and_restore_the_settings(micro_path):
     assert eng.branches and eng._graph is None
 
 
+def test_decode_ab_only_keeps_the_variants_named():
+    """--decode-ab-only TEXT: the step as landed and the variants whose names contain TEXT
+    (any of several, case-insensitive); one that names none is refused with the names."""
+    from pocketfm.engine.bench import decode_variant_names
+
+    assert decode_variant_names(["SPREAD over 4", "query in one"]) == [
+        "as landed", "the combine spread over 4 groups (candidate)",
+        "the indexer query in one launch (candidate)"]
+    code, _, err = bench("--preset", "tiny", "--ctx", "64", "--decode-ab-only", "no such row")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: --decode-ab-only no such row: no --decode-ab variant")
+    assert "one stream" in lines[0]
+
+
 def test_bench_profiling_is_refused_with_kv_swap():
     for flag in ("--profile", "--ncu-step", "--ncu-graph", "--ncu-chunk", "--decode-ab"):
         code, _, err = bench("--preset", "tiny", "--ctx", "420", "--kv-swap", "--gpu-chunks",

@@ -312,6 +312,14 @@ def _decode_variants() -> dict:
             "the indexer query in one launch (candidate)": dict(idx_query_one_launch=True)}
 
 
+def decode_variant_names(texts) -> list:
+    """The names of _decode_variants containing any of ``texts`` (case-insensitive), after
+    "as landed" (bench --decode-ab-only)."""
+    wanted = [t.lower() for t in texts]
+    return ["as landed"] + [n for n in _decode_variants()
+                            if n != "as landed" and any(t in n.lower() for t in wanted)]
+
+
 def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:
     """The decode steps at positions p0 .. p0+steps-1 again under each variant of
     _decode_variants (``names``: a subset), in turn ``rounds`` times, in one process. Each
@@ -525,7 +533,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
               churn: float = 0.1, lag: int | None = None, ncu: bool | str = False,
               ncu_prefill: bool = False, prefill_ab: bool = False,
-              decode_ab: bool = False) -> dict:
+              decode_ab: bool | list = False) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
@@ -534,7 +542,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     ``ncu_prefill``: the last prefill chunk again for it (``ncu_chunk``); ``prefill_ab``: the
     last prefill chunk again under each of time_prefill_variants' variants (``prefill_ab`` in
     the result); ``decode_ab``: the timed decode steps again under each of
-    time_decode_variants' variants (``decode_ab``)."""
+    time_decode_variants' variants (``decode_ab``; a list: those named)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
@@ -583,7 +591,8 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     extra = {}
     free1, _ = cuda.current_context().get_memory_info()  # (before the A/B's graphs and buffers)
     if decode_ab:
-        extra["decode_ab"] = time_decode_variants(eng, p0, tokens)
+        names = decode_ab if isinstance(decode_ab, list) else None
+        extra["decode_ab"] = time_decode_variants(eng, p0, tokens, names=names)
     nb = bytes_per_token(eng, ctx)
     used = None if device.SIMULATOR else int(free0 - free1)  # (the simulator has no memory)
     if profile and not device.SIMULATOR:
