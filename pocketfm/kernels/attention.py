@@ -810,6 +810,7 @@ def _combine(out, part, sinks, pos, freqs, limbs, stream, groups: int = 0) -> No
     if limbs is not None:
         assert K % 16 == 0 and H * K == limbs.shape[0] * limbs.shape[1] // XLW * 16, limbs.shape
     if groups:
+        assert K % 2 == 0, K  # (a thread's 8-byte loads: pairs of dims)
         if "no limbs" not in _SPREAD:
             _SPREAD["no limbs"] = cuda.device_array((1, XLW), np.int32)
         kern = _spread_combine(groups, limbs is not None)
