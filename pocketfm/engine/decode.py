@@ -44,10 +44,10 @@ from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
                             simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
+from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
 from ..kernels.l2_prefetch import prefetch_l2
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
-from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
 from ..kernels.qat import hadamard_fp4, kv_pack
 from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
@@ -261,8 +261,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        idx_query_one_launch,
-        imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch, hc_u_gram, moe_parts,
+        idx_query_one_launch, imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch,
+        hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
         l2_prefetch_blocks, l2_prefetch_next)

@@ -47,7 +47,8 @@ COMBINE_THREADS = MAX_COMBINE_THREADS = 128  # the combine's block: dims of one 
 SPLIT_TILES = 2
 MMA_TILES = 3  # the tensor-core kernel's 16-slot tiles a split (attention_decode)
 _ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
-_SHF = 512 if device.SIMULATOR else 1  # the simulator's shuffle scratch (a block's threads)
+_SHF = 512 if device.SIMULATOR else 1  # the simulator's shuffle scratch (the spread combine's
+# blocks: 64 x MAX_GROUPS threads)
 _LIMB_BYTES = 3 * MAX_COMBINE_THREADS  # (a literal for cuda.shared.array)
 assert HPW * KC == 32 and COMBINE_THREADS % 16 == 0
 
@@ -620,6 +621,7 @@ SPREAD_DIMS = 128  # the spread combine's dims a block: 64 pairs, a pair a threa
 MAX_GROUPS = 8  # its split groups at most (64 x 8 = 512 threads)
 _SPREAD_SUMS = MAX_GROUPS * SPREAD_DIMS  # (a literal for cuda.shared.array)
 _SPREAD: dict = {}  # (groups, limbs) -> the spread combine kernel
+_NO_LIMBS: list = []  # the spread combine's xl where it makes no limbs (allocated once)
 
 
 def _spread_combine(G: int, limbs: bool):
@@ -811,10 +813,10 @@ def _combine(out, part, sinks, pos, freqs, limbs, stream, groups: int = 0) -> No
         assert K % 16 == 0 and H * K == limbs.shape[0] * limbs.shape[1] // XLW * 16, limbs.shape
     if groups:
         assert K % 2 == 0, K  # (a thread's 8-byte loads: pairs of dims)
-        if "no limbs" not in _SPREAD:
-            _SPREAD["no limbs"] = cuda.device_array((1, XLW), np.int32)
+        if not _NO_LIMBS:
+            _NO_LIMBS.append(cuda.device_array((1, XLW), np.int32))
         kern = _spread_combine(groups, limbs is not None)
-        xl = _SPREAD["no limbs"] if limbs is None else limbs
+        xl = _NO_LIMBS[0] if limbs is None else limbs
         kern[(cdiv(K, SPREAD_DIMS), H), 64 * groups, stream](out, xl, part, sinks, pos, freqs)
         return
     grid = (cdiv(K, COMBINE_THREADS), H)

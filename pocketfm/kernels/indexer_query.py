@@ -19,12 +19,13 @@ from numba import cuda, float32
 from . import device
 from .bench import BenchCase
 from .device import warp_sum
-from .gemv import _TYPES, _Q8_0, _decode_shape, _dummies, _load_rows, _norm_x
+from .gemv import _TYPES, _Q8_0, _decode_shape, _dummies, _load_rows, _norm_x, gemv_ref
+from .norm_rope import rmsnorm_ref, rope_ref
 from .qat import FP4_BLOCK, MAX_DI, hadamard_fp4, hadamard_fp4_ref, rotate_block_vector
 from .qweight import QWeight
 
 THREADS = 256  # 8 warps: 16 of the head's 128 rows each (V4)
-ROWS_A_STEP = 2  # rows a warp loads a step (twice that in flight): ~120 registers at F16
+ROWS_A_STEP = 2  # rows a warp loads a step (twice that in flight): 128 registers at F16
 _SCRATCH = 1024 if device.SIMULATOR else 1  # warp_sum's simulator staging (a block's threads)
 
 
@@ -32,9 +33,6 @@ def indexer_query_ref(out, w: QWeight, x, norm, rope, fp4: bool) -> None:
     """out[1, H, DI] <- W · x̂ ([H·DI] read as [H, DI]), RoPE'd (forward) at pos with freqs
     (``rope`` = (pos [1], freqs [P]) or None), rotated and rounded as hadamard_fp4_ref; x̂ =
     rmsnorm(x[1, K]) · nw with ``norm`` = (nw [K], eps), else x."""
-    from .gemv import gemv_ref
-    from .norm_rope import rmsnorm_ref, rope_ref
-
     xn = x.astype(np.float32)
     if norm is not None:
         xn = np.empty_like(xn)

@@ -438,13 +438,14 @@ def _hadamard_fp4_serial(out, x, fp4):
 
 
 @device_fn
-def rotate_block_vector(out, t, hd, v, fp4, pos, freqs):
-    """out[t, hd, :] <- the vector v[0:DI] (float32 shared memory, DI = out.shape[2]) RoPE'd
-    at pos[t] (forward, the last 2P dims, as norm_rope.rope: cos and sin of a float64 angle in
-    float32; nothing with freqs [P] empty) on its way into a float64 butterfly, rotated by
-    the orthonormal Hadamard, then (fp4) the e2m1 round-trip per 32. The block's threads
-    stride over the elements; v is overwritten. Every thread of the block must call it."""
+def rotate_block_vector(out, t, hd, src, fp4, pos, freqs):
+    """out[t, hd, :] <- the vector src[0:DI] (a float32 row in global or shared memory, DI =
+    out.shape[2]) RoPE'd at pos[t] (forward, the last 2P dims, as norm_rope.rope: cos and sin
+    of a float64 angle in float32; nothing with freqs [P] empty) on its way into a float64
+    butterfly, rotated by the orthonormal Hadamard, then (fp4) the e2m1 round-trip per 32.
+    The block's threads stride over the elements. Every thread of the block must call it."""
     h = cuda.shared.array(MAX_DI, float64)
+    v = cuda.shared.array(MAX_DI, float32)
     part = cuda.shared.array(MAX_DI_PARTS, float32)
     gmax = cuda.shared.array(MAX_DI_BLOCKS, float32)
     DI = out.shape[2]
@@ -452,9 +453,9 @@ def rotate_block_vector(out, t, hd, v, fp4, pos, freqs):
     nt = cuda.blockDim.x
     nope = DI - 2 * freqs.shape[0]
     for c in range(tid, DI, nt):
-        v0 = v[c]
+        v0 = src[c]
         if c >= nope:  # (never, without freqs) pairs (nope + 2k, nope + 2k + 1): partner c ^ 1
-            v0 = norm_rope.rope_element(v0, v[c ^ 1], pos[t], freqs[(c - nope) // 2],
+            v0 = norm_rope.rope_element(v0, src[c ^ 1], pos[t], freqs[(c - nope) // 2],
                                         c % 2 == 0, False)
         h[c] = v0
     cuda.syncthreads()
@@ -474,17 +475,13 @@ def rotate_block_vector(out, t, hd, v, fp4, pos, freqs):
 
 @device.kernel
 def _hadamard_fp4_shared(out, x, fp4, pos, freqs):
-    """One block per head vector: the vector into shared memory, then rotate_block_vector (the
-    RoPE with freqs [P] not empty, a float64 butterfly with a barrier per stage, block maxima
-    by group_absmax, threads striding over the DI elements)."""
-    v = cuda.shared.array(MAX_DI, float32)
-    T, H, DI = x.shape
+    """One block per head vector: rotate_block_vector of x[t, hd] (the RoPE with freqs [P]
+    not empty, a float64 butterfly with a barrier per stage, block maxima by group_absmax,
+    threads striding over the DI elements)."""
+    H = x.shape[1]
     t = cuda.blockIdx.x // H
     hd = cuda.blockIdx.x - t * H
-    for c in range(cuda.threadIdx.x, DI, cuda.blockDim.x):
-        v[c] = x[t, hd, c]
-    cuda.syncthreads()
-    rotate_block_vector(out, t, hd, v, fp4, pos, freqs)
+    rotate_block_vector(out, t, hd, x[t, hd], fp4, pos, freqs)
 
 
 _SHFL_SCRATCH = MAX_THREADS if device.SIMULATOR else 1  # xor_shfl's simulator exchange
