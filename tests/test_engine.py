@@ -293,8 +293,7 @@ def test_the_staged_attention_changes_no_logit():
 def test_the_spread_combine_changes_the_logits_by_rounding_only():
     """The attention's combine with the splits spread over 2 / 4 / 8 groups of threads
     (attn_combine_groups) against a thread a dim: the same weights, the partials added in
-    another order (a group's splits, then the groups), so the logits agree to rounding, and
-    the spread forms with each other likewise."""
+    another order (a group's splits, then the groups), so the logits agree to rounding."""
     logits = _flash_4_layer_logits({"thread a dim": dict(attn_combine_groups=0),
                                     **{g: dict(attn_combine_groups=g) for g in (2, 4, 8)}})
     for g in (2, 4, 8):
