@@ -309,7 +309,12 @@ def _decode_variants() -> dict:
             "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=()),
             **{f"the combine spread over {g} groups (candidate)": dict(attn_combine_groups=g)
                for g in (2, 4, 8)},
-            "the indexer query in one launch (candidate)": dict(idx_query_one_launch=True)}
+            "the indexer query in one launch (candidate)": dict(idx_query_one_launch=True),
+            **{f"the routed gate+up {how} (candidate)": dict(imma_gate_up=build)
+               for how, build in (("SM-wide, 4 tiles a block", "sm"),
+                                  ("SM-wide, 3 tiles a block", "sm3"),
+                                  ("SM-wide, 3 tiles a block, signs by multiplies",
+                                   "sm3_alu_signs"))}}
 
 
 def decode_variant_names(texts) -> list:

@@ -39,7 +39,8 @@ from numba import cuda, float32, int32, uint32, uint64
 from .. import quants
 from ..quants import GGMLType
 from .bench import BenchCase
-from .device import SIMULATOR, cdiv, kernel, resident_blocks, stream_buffer, xor_shfl
+from .device import (SIMULATOR, cdiv, kernel, launch_shared, resident_blocks,
+                     stream_buffer, xor_shfl)
 from .imma import (ROWS, WARPS, XCH, _lds_u32, _mma_s8, _shared_at, _shf_r, _syncwarp,
                    graph_cases, hi_lo_bytes, quad_sums, routed_setup, tile_out,
                    tile_thread)
@@ -54,6 +55,10 @@ REPS = 8  # copies of each table in shared memory (lane l reads copy l % REPS)
 PREP_THREADS = 128  # x preparation: threads a block (a thread makes 8 columns)
 SHF = PREP_THREADS if SIMULATOR else 1  # simulator lane exchange (x preparation)
 SHF_TILE = 32 * WARPS if SIMULATOR else 1  # ... and the GEMV's (its quad sums)
+SM_SUBS = 4  # the SM-wide build: tiles a block works on at once, WARPS warps each
+SM_REPS = 32  # ... and its table copies: one a lane, no bank conflicts
+SM_XCH = SM_SUBS * XCH if SIMULATOR else 1  # its simulator MMA exchange (blockDim threads)
+SM_WARPS = SM_SUBS * WARPS
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -255,6 +260,110 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
     return gemv_iq2_xxs_imma_tiles
 
 
+
+def _sm_tiles_body(sign_alu: bool):
+    """The SM-wide build: one block of SM_SUBS x WARPS warps an SM (128 registers a thread:
+    the whole register file) sharing one set of SM_REPS table copies, a copy a lane, so that
+    no lookup meets another in a bank ((k): 51% of the shared wavefronts were conflicts with 8
+    copies; a copy a lane in each 4-warp block was slower, its 42 KB filled by every block).
+    Sub-block s (warps s·WARPS ..) takes the tiles s + SM_SUBS·blockIdx.x, .. + SM_SUBS·gridDim.x,
+    all sub-blocks the same number of rounds (a tile past the end reads the last rows and
+    stores nothing) so that they meet at the block's barriers. The tables and the staged rows
+    sit in dynamic shared memory (86 KB: over the 48 KB a static array may take)."""
+    _, super_block = _group_math(SM_REPS, sign_alu)
+    table_words = (256 if sign_alu else 384) * SM_REPS
+    rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
+    tables = _TABLES[:table_words // SM_REPS]
+
+    def gemv_iq2_xxs_imma_sm_tiles(out, qs, d, xq, xs, ids, nw):
+        # grid (blocks, T): see _sm_tiles_body; nw warps a tile (blockDim = 32 nw SM_SUBS)
+        t = cuda.threadIdx.x
+        N = out.shape[1]
+        G = qs.shape[2]
+        w, lane, g, c, b, e, bx = tile_thread(ids, xs, G)
+        sub = w // nw
+        sw = w - sub * nw  # the warp's place in its tile
+        per_warp = G // STAGE // nw
+        tiles_n = (N + ROWS - 1) // ROWS
+        subs = cuda.blockDim.x // (32 * nw)
+        span = cuda.gridDim.x * subs  # tiles a round
+        tab = cuda.shared.array(0, uint32)
+        rows = cuda.shared.array(0, uint64)  # (the same bytes: the rows after the tables)
+        red = cuda.shared.array((SM_WARPS, ROWS), float32)
+        xch = cuda.shared.array(SM_XCH, uint64)
+        consts = cuda.const.array_like(tables)
+        for i in range(t, table_words, cuda.blockDim.x):
+            tab[i] = consts[i // SM_REPS]
+        lane_at = _shared_at(tab) + uint32(4 * lane)  # the lane's copy of the tables
+        pick = uint32(0x4440 + c)
+        shift = uint32(7 * c)
+        lr, lc = lane >> 3, lane & 7
+        r0 = uint32(rows_at + (w * ROWS + g) * STAGE_LD)
+        r8 = r0 + uint32(8 * STAGE_LD)
+        pre = cuda.local.array(8, uint64)
+        dpre = cuda.local.array(4, float32)
+        tn = cuda.blockIdx.x * subs + sub
+        _load_stage(pre, dpre, qs, d, e, min(tn, tiles_n - 1) * ROWS, sw, N, lr, lc, g)
+        cuda.syncthreads()  # the tables
+        while tn - sub < tiles_n:  # (the block's first tile: the same for all its warps)
+            n0 = min(tn, tiles_n - 1) * ROWS
+            acc0 = float32(0)
+            acc1 = float32(0)
+            for j in range(per_warp):
+                stage = sw + j * nw
+                _syncwarp()
+                for i in range(4):
+                    at = uint32(rows_at + (w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
+                    rows[at] = pre[2 * i]
+                    rows[at + uint32(1)] = pre[2 * i + 1]
+                d0, d8, d0b, d8b = dpre[0], dpre[1], dpre[2], dpre[3]
+                _syncwarp()
+                if j + 1 < per_warp:
+                    _load_stage(pre, dpre, qs, d, e, n0, stage + nw, N, lr, lc, g)
+                elif tn - sub + span < tiles_n:
+                    _load_stage(pre, dpre, qs, d, e, min(tn + span, tiles_n - 1) * ROWS, sw, N,
+                                lr, lc, g)
+                col0 = uint32(stage * STAGE)
+                xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
+                sr = xs[uint32(bx * G) + col0:]
+                s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch,
+                                     c)
+                acc0 += s0 * d0
+                acc1 += s1 * d8
+                s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch,
+                                     c)
+                acc0 += s0 * d0b
+                acc1 += s1 * d8b
+            _sub_tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, sub, tn < tiles_n)
+            tn += span
+    return gemv_iq2_xxs_imma_sm_tiles
+
+
+def sm_tiles_smem(sign_alu: bool = False, subs: int = SM_SUBS) -> int:
+    """Dynamic shared bytes of the SM-wide build of ``subs`` sub-blocks: the tables' copies,
+    then the staged rows."""
+    return 4 * (256 if sign_alu else 384) * SM_REPS + 8 * subs * WARPS * ROWS * STAGE_LD
+
+
+@cuda.jit(device=True)
+def _sub_tile_out(out, red, acc0, acc1, b, n0, nw, sub, valid):
+    """imma.tile_out for sub-block ``sub`` of a block (warps sub·nw ..): its tile's rows from
+    its warps' sums, stored if ``valid``; every thread of the block calls."""
+    t = cuda.threadIdx.x
+    lane = t & 31
+    if lane & 3 == 0:
+        red[t >> 5, lane >> 2] = acc0
+        red[t >> 5, (lane >> 2) + 8] = acc1
+    cuda.syncthreads()
+    r = t - sub * 32 * nw
+    if valid and r < ROWS and n0 + r < out.shape[1]:
+        s = float32(0)
+        for v in range(nw):
+            s += red[sub * nw + v, r]
+        out[b, n0 + r] = s * float32(0.125)
+    cuda.syncthreads()
+
+
 @cuda.jit(device=True)
 def _load_stage(pre, dpre, qs, d, e, n0, stage, N, lr, lc, g):
     """Request a stage of expert e's rows n0 ..: this lane's 4 x 16 bytes of the rows' group
@@ -306,6 +415,18 @@ def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
     return k
 
 
+def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS):
+    """The SM-wide build (_sm_tiles_body) of ``subs`` sub-blocks, its registers capped so
+    that one block fills the register file (128 a thread at 4: ptxas spills ~70 bytes; 168 at
+    3). ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
+    assert 1 <= subs <= SM_SUBS
+    k = kernel(_sm_tiles_body(sign_alu), max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
+    k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_sm_tiles" + "".join(
+        f"_{v}" for v, on in (("alu_signs", sign_alu), (f"subs{subs}", subs != SM_SUBS)) if on)
+    k.smem, k.subs = sm_tiles_smem(sign_alu, subs), subs
+    return k
+
+
 _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 # candidates, timed by bench_cases: more table copies (fewer bank conflicts), the signs by
 # multiplies (no sign table: fewer lookups, more integer instructions), a group scaled on one
@@ -315,7 +436,9 @@ _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
               "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
               "quad": _tiles_kernel(quad=True, max_registers=128),
-              "reps16_quad": _tiles_kernel(16, quad=True, max_registers=128)}
+              "reps16_quad": _tiles_kernel(16, quad=True, max_registers=128),
+              "sm": _sm_tiles_kernel(), "sm_alu_signs": _sm_tiles_kernel(sign_alu=True),
+              "sm3": _sm_tiles_kernel(subs=3), "sm3_alu_signs": _sm_tiles_kernel(True, 3)}
 _x_imma_groups = kernel(x_imma_groups)
 _x_imma_groups.__name__ = "_x_imma_groups"
 
@@ -351,9 +474,10 @@ def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> 
     qs, d = w.planes
     args = (out, qs, d, xq, xs, _no_ids() if ids is None else ids, nw)
     k = _gemv_iq2_xxs_imma_tiles if build is None else CANDIDATES[build]
-    resident = resident_blocks(k, args, 32 * nw, simulated=2 * T)
-    grid = (min(cdiv(N, ROWS), max(1, resident // T)), T)
-    k[grid, 32 * nw, stream](*args)
+    subs, smem = getattr(k, "subs", 1), getattr(k, "smem", 0)  # (the SM-wide build's)
+    resident = resident_blocks(k, args, 32 * nw * subs, smem, simulated=2 * T)
+    grid = (min(cdiv(cdiv(N, ROWS), subs), max(1, resident // T)), T)
+    launch_shared(k, grid, 32 * nw * subs, stream, smem, *args)
 
 
 def gemv_iq2_xxs_imma(out, w: QWeight, x, ids=None, stream=0) -> None:
