@@ -276,11 +276,13 @@ def _sm_tiles_body(sign_alu: bool):
     tables = _TABLES[:table_words // SM_REPS]
 
     def gemv_iq2_xxs_imma_sm_tiles(out, qs, d, xq, xs, ids, nw):
-        # grid (blocks, T): see _sm_tiles_body; nw warps a tile (blockDim = 32 nw SM_SUBS)
+        # grid (blocks, T): see _sm_tiles_body; WARPS warps a tile (blockDim = 32 WARPS subs;
+        # the launcher passes nw = WARPS)
         t = cuda.threadIdx.x
         N = out.shape[1]
         G = qs.shape[2]
         w, lane, g, c, b, e, bx = tile_thread(ids, xs, G)
+        nw = WARPS  # (a constant: 8 registers fewer than the argument, and no spills at 128)
         sub = w // nw
         sw = w - sub * nw  # the warp's place in its tile
         per_warp = G // STAGE // nw
@@ -334,7 +336,7 @@ def _sm_tiles_body(sign_alu: bool):
                                      c)
                 acc0 += s0 * d0b
                 acc1 += s1 * d8b
-            _sub_tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, sub, tn < tiles_n)
+            _sub_tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, sub)
             tn += span
     return gemv_iq2_xxs_imma_sm_tiles
 
@@ -346,9 +348,10 @@ def sm_tiles_smem(sign_alu: bool = False, subs: int = SM_SUBS) -> int:
 
 
 @cuda.jit(device=True)
-def _sub_tile_out(out, red, acc0, acc1, b, n0, nw, sub, valid):
+def _sub_tile_out(out, red, acc0, acc1, b, n0, nw, sub):
     """imma.tile_out for sub-block ``sub`` of a block (warps sub·nw ..): its tile's rows from
-    its warps' sums, stored if ``valid``; every thread of the block calls."""
+    its warps' sums (none past the end: a tile past the last has n0 >= N); every thread of the
+    block calls."""
     t = cuda.threadIdx.x
     lane = t & 31
     if lane & 3 == 0:
@@ -356,7 +359,7 @@ def _sub_tile_out(out, red, acc0, acc1, b, n0, nw, sub, valid):
         red[t >> 5, (lane >> 2) + 8] = acc1
     cuda.syncthreads()
     r = t - sub * 32 * nw
-    if valid and r < ROWS and n0 + r < out.shape[1]:
+    if r < ROWS and n0 + r < out.shape[1]:
         s = float32(0)
         for v in range(nw):
             s += red[sub * nw + v, r]
@@ -417,8 +420,7 @@ def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
 
 def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS):
     """The SM-wide build (_sm_tiles_body) of ``subs`` sub-blocks, its registers capped so
-    that one block fills the register file (128 a thread at 4: ptxas spills ~70 bytes; 168 at
-    3). ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
+    that one block fills the register file (128 a thread at 4, 8 bytes spilled; 168 at 3). ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
     assert 1 <= subs <= SM_SUBS
     k = kernel(_sm_tiles_body(sign_alu), max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
     k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_sm_tiles" + "".join(
@@ -475,6 +477,7 @@ def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> 
     args = (out, qs, d, xq, xs, _no_ids() if ids is None else ids, nw)
     k = _gemv_iq2_xxs_imma_tiles if build is None else CANDIDATES[build]
     subs, smem = getattr(k, "subs", 1), getattr(k, "smem", 0)  # (the SM-wide build's)
+    assert subs == 1 or nw == WARPS, "the SM-wide build takes whole WARPS-stage rows"
     resident = resident_blocks(k, args, 32 * nw * subs, smem, simulated=2 * T)
     grid = (min(cdiv(cdiv(N, ROWS), subs), max(1, resident // T)), T)
     launch_shared(k, grid, 32 * nw * subs, stream, smem, *args)

@@ -107,7 +107,7 @@ def test_candidate_builds_give_the_same_bits():
     dw, dx, di = w.to_device(), cuda.to_device(x), cuda.to_device(ids)
     base = poisoned((2, 16))
     imma.gemv_prepared(base, dw, imma.prepare_x(dx), di)
-    for build in imma.CANDIDATES:
+    for build in (b for b in imma.CANDIDATES if not b.startswith("sm")):  # (the next test's)
         out = poisoned((2, 16))
         imma.gemv_prepared(out, dw, imma.prepare_x(dx), di, build=build)
         if "quad" in build:
@@ -117,13 +117,13 @@ def test_candidate_builds_give_the_same_bits():
             assert np.array_equal(out.copy_to_host(), base.copy_to_host()), build
 
 
-@pytest.mark.parametrize("build", ["sm", "sm_alu_signs"])
+@pytest.mark.parametrize("build", ["sm", "sm3_alu_signs"])
 def test_sm_wide_build_equals_the_default_over_rounds(build):
-    """The SM-wide build (4 tiles a block at once, one table copy a lane) over 9 tiles (the last
-    partial) of 2 stages (2 warps a tile): its grid of 2 blocks a token takes 8 tiles a round,
-    so the second round has one tile and three sub-blocks past the end, which must store
-    nothing (poisoned rows past N would show). The same codes and sums: the same bits."""
-    w, x, ids, ref, _ = _case(3, 130, 1024, 2, True, False)
+    """The SM-wide build (3-4 tiles a block at once, one table copy a lane) over 9 tiles (the
+    last partial) of 4 stages (4 warps a tile): its grid of 2 blocks a token takes 6-8 tiles a
+    round, so the second round has sub-blocks past the end, which must store nothing. The same
+    codes and sums: the same bits."""
+    w, x, ids, ref, _ = _case(3, 130, 2048, 2, True, False)
     dw, dx, di = w.to_device(), cuda.to_device(x), cuda.to_device(ids)
     base, out = poisoned((2, 130)), poisoned((2, 130))
     imma.gemv_prepared(base, dw, imma.prepare_x(dx), di)
