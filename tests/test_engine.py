@@ -367,3 +367,16 @@ def test_the_routed_gate_up_on_imma_changes_the_logits_by_its_rounding_only(laye
     for on in ("gate+up", "and down"):
         assert _rel(logits[on], logits["dp4a"]) <= bound, on
     assert len({logits[k].tobytes() for k in logits}) == 3  # (each ran)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
+def test_the_sm_wide_routed_gate_up_changes_no_logit():
+    """imma_iq2_xxs's SM-wide builds (3 or 4 tiles a block sharing one table copy a lane, the
+    tables and rows in dynamic shared memory) make the same codes and sum them in the same
+    order as the default build: the same logits bit for bit, eager and replayed."""
+    logits = _flash_4_layer_logits({"default": dict(imma_gate_up=True),
+                                    "sm": dict(imma_gate_up="sm"),
+                                    "sm3": dict(imma_gate_up="sm3_alu_signs")}, graph=True)
+    for name in ("sm", "sm3"):
+        for how in (0, 1):  # eager, replayed
+            assert np.array_equal(logits[name][how], logits["default"][how]), (name, how)
