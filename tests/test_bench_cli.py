@@ -131,8 +131,8 @@ def test_decode_ab_only_keeps_the_variants_named():
     (any of several, case-insensitive); one that names none is refused with the names."""
     from pocketfm.engine.bench import decode_variant_names
 
-    assert decode_variant_names(["SPREAD over 4", "query in one"]) == [
-        "as landed", "the combine spread over 4 groups (candidate)",
+    assert decode_variant_names(["SPREAD over 8", "query in one"]) == [
+        "as landed", "the combine spread over 8 groups",
         "the indexer query in one launch (candidate)"]
     code, _, err = bench("--preset", "tiny", "--ctx", "64", "--decode-ab-only", "no such row")
     lines = err.strip().splitlines()

@@ -251,7 +251,8 @@ def _decode_variants() -> dict:
     tile loaded while it scores this one, and its 2 tiles a split; HC pre's post + comb and the
     compressor on streams of their own, and the CSA q_a norm made by its readers with the
     indexer's weights on a branch of their own; out_a's weights prefetched into L2 beside the
-    attention, by 8 blocks, and the next layer's q_a beside the MoE) or try a candidate (the
+    attention, by 8 blocks, and the next layer's q_a beside the MoE; the attention's combine
+    with its splits over 4 thread groups) or try a candidate (the
     q_a norm folded on every layer: slower, the CSA layers' indexer path gets longer; the
     indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
@@ -307,8 +308,9 @@ def _decode_variants() -> dict:
             "out_a's weights into L2 by 16 blocks": dict(l2_prefetch_blocks=16),
             "out_a's weights into L2 by 4 blocks": dict(l2_prefetch_blocks=4),
             "no L2 prefetch of the next layer's q_a (before)": dict(l2_prefetch_next=()),
-            **{f"the combine spread over {g} groups (candidate)": dict(attn_combine_groups=g)
-               for g in (2, 4, 8)},
+            "the combine a thread a dim (before)": dict(attn_combine_groups=0),
+            **{f"the combine spread over {g} groups": dict(attn_combine_groups=g)
+               for g in (2, 8)},
             "the indexer query in one launch (candidate)": dict(idx_query_one_launch=True),
             **{f"the routed gate+up {how} (candidate)": dict(imma_gate_up=build)
                for how, build in (("SM-wide, 4 tiles a block", "sm"),

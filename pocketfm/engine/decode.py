@@ -206,10 +206,12 @@ class DecodeEngine:
         # 6.449 / 6.435 against 6.436 ms, nil, removed)
         self.attn_staged = True
         self.attn_mma_tiles = MMA_TILES
-        # candidate: the attention's combine with the splits spread over this many groups of
-        # a block's threads, every partial's load issued at once (attention._spread_combine);
-        # 0: a thread a dim, 16 loads at a time
-        self.attn_combine_groups = 0
+        # the attention's combine with the splits spread over this many groups of a block's
+        # threads, every partial's load issued at once (attention._spread_combine): alone, at
+        # P = 20 / 46 / 64 splits, 4.7 / 5.2 / 5.6 µs against 6.9 / 10.7 / 13.6 for a thread a
+        # dim, 16 loads at a time (0); 2 groups 5.1-6.1, 8 groups 5.5-7.0 (H100, graphs of
+        # 20, BENCHMARKS 2026-12-06 (v); the step's A/B not yet run)
+        self.attn_combine_groups = 4
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
