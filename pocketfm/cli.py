@@ -351,11 +351,11 @@ def inspect(path, all_keys):
                    "tensor-core attention with q and its partials unstaged (CSA's partials "
                    "too), or at 4 tiles a split; the attention's combine a thread a dim "
                    "instead of its splits over 4 thread groups, or over 2 or 8) or try a "
-                   "candidate (the q_a norm folded on every layer; the indexer query's "
-                   "Hadamard a warp a vector, or its GEMV, RoPE, Hadamard and FP4 in one "
-                   "launch; the routed gate+up's SM-wide builds; the routed down on the int8 "
-                   "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
-                   "process.")
+                   "candidate (HCA's attention at 2 tiles a split; the q_a norm folded on "
+                   "every layer; the indexer query's Hadamard a warp a vector, or its GEMV, "
+                   "RoPE, Hadamard and FP4 in one launch; the routed gate+up's SM-wide "
+                   "builds; the routed down on the int8 tensor cores too), each step "
+                   "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",
               help="--decode-ab with only the variants whose names contain TEXT (any of them "
                    "when repeated; case-insensitive), beside the step as landed.")

@@ -295,6 +295,9 @@ def _decode_variants() -> dict:
             "HCA's attention with q and its partials unstaged, CSA's partials too (before)": dict(
                 attn_staged=False),
             "HCA's attention at 4 tiles a split (before)": dict(attn_mma_tiles=4),
+            # (more splits measured slower while each cost the combine ~0.15 µs, (m), (o);
+            # the combine spread over 4 groups takes ~0.02 µs a split, (v))
+            "HCA's attention at 2 tiles a split (64 splits)": dict(attn_mma_tiles=2),
             "HC post + comb on the side stream (before)": dict(post_own_stream=False),
             "the compressor after the kv entry (before)": dict(compressor_own_stream=False),
             "both on the side stream (before)": dict(post_own_stream=False,
