@@ -260,16 +260,16 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
     return gemv_iq2_xxs_imma_tiles
 
 
-
 def _sm_tiles_body(sign_alu: bool):
-    """The SM-wide build: one block of SM_SUBS x WARPS warps an SM (128 registers a thread:
-    the whole register file) sharing one set of SM_REPS table copies, a copy a lane, so that
-    no lookup meets another in a bank ((k): 51% of the shared wavefronts were conflicts with 8
-    copies; a copy a lane in each 4-warp block was slower, its 42 KB filled by every block).
-    Sub-block s (warps s·WARPS ..) takes the tiles s + SM_SUBS·blockIdx.x, .. + SM_SUBS·gridDim.x,
-    all sub-blocks the same number of rounds (a tile past the end reads the last rows and
-    stores nothing) so that they meet at the block's barriers. The tables and the staged rows
-    sit in dynamic shared memory (86 KB: over the 48 KB a static array may take)."""
+    """The SM-wide build: one block of subs x WARPS warps an SM (subs <= SM_SUBS; 128-168
+    registers a thread: the whole register file) sharing one set of SM_REPS table copies, a
+    copy a lane, so that no lookup meets another in a bank ((k): 51% of the shared wavefronts
+    were conflicts with 8 copies; a copy a lane in each 4-warp block was slower, its 42 KB
+    filled by every block). Sub-block s (warps s·WARPS ..) takes the tiles s + subs·blockIdx.x,
+    then every subs·gridDim.x-th, all sub-blocks the same number of rounds (a tile past the end
+    reads the last rows and stores nothing) so that they meet at the block's barriers. The
+    tables and the staged rows sit in dynamic shared memory (86 KB at 4 sub-blocks: over the
+    48 KB a static array may take)."""
     _, super_block = _group_math(SM_REPS, sign_alu)
     table_words = (256 if sign_alu else 384) * SM_REPS
     rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
@@ -420,7 +420,8 @@ def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
 
 def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS):
     """The SM-wide build (_sm_tiles_body) of ``subs`` sub-blocks, its registers capped so
-    that one block fills the register file (128 a thread at 4, 8 bytes spilled; 168 at 3). ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
+    that one block fills the register file (128 a thread at 4, 8 bytes spilled; 168 at 3).
+    ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
     assert 1 <= subs <= SM_SUBS
     k = kernel(_sm_tiles_body(sign_alu), max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
     k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_sm_tiles" + "".join(
@@ -434,7 +435,9 @@ _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 # multiplies (no sign table: fewer lookups, more integer instructions), a group scaled on one
 # lane of its quad (~4 instructions fewer a group; the sums in another order). H200 (2026-12-06
 # (l)): 27.2-28.8 µs against the default's 28.1. A copy a lane (32: no conflicts, 42 KB with
-# the signs by multiplies) was slower, 30.9-32.6 µs, and was dropped.
+# the signs by multiplies) was slower, 30.9-32.6 µs, and was dropped. The SM-wide builds (one
+# block an SM sharing a copy a lane): sm 27.6, sm3 27.1, their alu_signs 29.3 / 28.6 against
+# 28.7 µs (H100, 2026-12-06 (v)); the step's A/B not yet run.
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
               "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
               "quad": _tiles_kernel(quad=True, max_registers=128),
