@@ -468,7 +468,8 @@ def prepare_x(x, stream=0):
 
 def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> None:
     """out[T, N] = W · x[t] (or W[ids[t]] · x[t]) on x from ``prepare_x`` (one x row may serve
-    every id); ``takes_imma(w)`` must hold. ``build``: a key of CANDIDATES (A/B)."""
+    every id); ``takes_imma(w)`` must hold. ``build``: a key of CANDIDATES (A/B; an SM-wide
+    one where the rows are whole multiples of WARPS stages, else the default build)."""
     from .gemv_lowbit import _no_ids
 
     T, N = out.shape
@@ -479,8 +480,9 @@ def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> 
     qs, d = w.planes
     args = (out, qs, d, xq, xs, _no_ids() if ids is None else ids, nw)
     k = _gemv_iq2_xxs_imma_tiles if build is None else CANDIDATES[build]
+    if getattr(k, "subs", 1) > 1 and nw != WARPS:  # the SM-wide build takes WARPS warps a tile
+        k = _gemv_iq2_xxs_imma_tiles
     subs, smem = getattr(k, "subs", 1), getattr(k, "smem", 0)  # (the SM-wide build's)
-    assert subs == 1 or nw == WARPS, "the SM-wide build takes whole WARPS-stage rows"
     resident = resident_blocks(k, args, 32 * nw * subs, smem, simulated=2 * T)
     grid = (min(cdiv(cdiv(N, ROWS), subs), max(1, resident // T)), T)
     launch_shared(k, grid, 32 * nw * subs, stream, smem, *args)
