@@ -190,20 +190,23 @@ def quad_sums(acc0, acc1, shf):
 
 
 @cuda.jit(device=True)
-def tile_out(out, red, acc0, acc1, b, n0, nw, scale):
-    """out[b, n0 + r] = scale · the sum over the nw warps of lane (g = r % 8, c = 0)'s acc0
-    (rows r < 8) or acc1 (rows r >= 8), through ``red`` [WARPS, ROWS]; every thread calls."""
+def tile_out(out, red, acc0, acc1, b, n0, nw, scale, first):
+    """out[b, n0 + r] = scale · the sum over the nw warps from warp ``first`` on (the calling
+    thread's tile's warps: 0 unless a block holds several tiles) of lane (g = r % 8, c = 0)'s
+    acc0 (rows r < 8) or acc1 (rows r >= 8), through ``red`` [the block's warps, ROWS]; no
+    row past the end (n0 + r >= N); every thread of the block calls."""
     t = cuda.threadIdx.x
     lane = t & 31
     if lane & 3 == 0:
         red[t >> 5, lane >> 2] = acc0
         red[t >> 5, (lane >> 2) + 8] = acc1
     cuda.syncthreads()
-    if t < ROWS and n0 + t < out.shape[1]:
+    r = t - 32 * first
+    if r < ROWS and n0 + r < out.shape[1]:
         s = float32(0)
         for v in range(nw):
-            s += red[v, t]
-        out[b, n0 + t] = s * scale
+            s += red[first + v, r]
+        out[b, n0 + r] = s * scale
     cuda.syncthreads()
 
 

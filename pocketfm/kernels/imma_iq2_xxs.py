@@ -255,7 +255,7 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
                 acc1 += s1 * d8b
             if quad:  # the quad's lanes each scaled a quarter of the groups
                 acc0, acc1 = quad_sums(acc0, acc1, shf)
-            tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125))
+            tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125), 0)
             tn += cuda.gridDim.x
     return gemv_iq2_xxs_imma_tiles
 
@@ -336,7 +336,7 @@ def _sm_tiles_body(sign_alu: bool):
                                      c)
                 acc0 += s0 * d0b
                 acc1 += s1 * d8b
-            _sub_tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, sub)
+            tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125), sub * nw)
             tn += span
     return gemv_iq2_xxs_imma_sm_tiles
 
@@ -345,26 +345,6 @@ def sm_tiles_smem(sign_alu: bool = False, subs: int = SM_SUBS) -> int:
     """Dynamic shared bytes of the SM-wide build of ``subs`` sub-blocks: the tables' copies,
     then the staged rows."""
     return 4 * (256 if sign_alu else 384) * SM_REPS + 8 * subs * WARPS * ROWS * STAGE_LD
-
-
-@cuda.jit(device=True)
-def _sub_tile_out(out, red, acc0, acc1, b, n0, nw, sub):
-    """imma.tile_out for sub-block ``sub`` of a block (warps sub·nw ..): its tile's rows from
-    its warps' sums (none past the end: a tile past the last has n0 >= N); every thread of the
-    block calls."""
-    t = cuda.threadIdx.x
-    lane = t & 31
-    if lane & 3 == 0:
-        red[t >> 5, lane >> 2] = acc0
-        red[t >> 5, (lane >> 2) + 8] = acc1
-    cuda.syncthreads()
-    r = t - sub * 32 * nw
-    if r < ROWS and n0 + r < out.shape[1]:
-        s = float32(0)
-        for v in range(nw):
-            s += red[sub * nw + v, r]
-        out[b, n0 + r] = s * float32(0.125)
-    cuda.syncthreads()
 
 
 @cuda.jit(device=True)

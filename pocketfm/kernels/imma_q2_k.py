@@ -137,7 +137,7 @@ def gemv_q2_k_imma_tiles(out, qs, sc, dmp, xq, xs, xsum, ids, nw):
                          - dm[3] * float32(m8))
         # the quad's mins partials, then the warps' sums
         acc0, acc1 = quad_sums(acc0, acc1, shf)
-        tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(1))
+        tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(1), 0)
         tn += cuda.gridDim.x
 
 
