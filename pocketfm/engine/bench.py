@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from ..config import ModelConfig
-from ..kernels import device
+from ..kernels import device, indexer_warp
 from ..kernels.attention import random_packed_kv
 from ..kernels.indexer import random_packed_keys
 from ..kernels.kvpack import index_key_bytes
@@ -315,6 +315,9 @@ def _decode_variants() -> dict:
             **{f"the combine spread over {g} groups": dict(attn_combine_groups=g)
                for g in (2, 8)},
             "the indexer query in one launch (candidate)": dict(idx_query_one_launch=True),
+            "the indexer scores on int8 MMAs (candidate)": dict(indexer_int8=True),
+            "the indexer scores on int8 MMAs, 3 blocks an SM (candidate)": dict(
+                indexer_int8=True, indexer_int8_regs=indexer_warp.I8_CAPPED_REGS),
             **{f"the routed gate+up {how} (candidate)": dict(imma_gate_up=build)
                for how, build in (("SM-wide, 4 tiles a block", "sm"),
                                   ("SM-wide, 3 tiles a block", "sm3"),

@@ -75,3 +75,44 @@ def test_fits_warp():
     assert indexer_warp.fits_warp(64, 128) and indexer_warp.fits_warp(16, 256)
     assert not indexer_warp.fits_warp(128, 128)  # 256 A registers a lane
     assert not indexer_warp.fits_warp(64, 48)  # not whole 32-dim FP4 blocks
+
+
+def test_e2m1_twice():
+    # codes 0-7 the magnitudes, 8-15 the same negated (8: -0)
+    from pocketfm.numerics import FP4_GRID
+    assert [indexer_warp._e2m1_twice(n) for n in range(16)] == [
+        int(2 * v) for v in FP4_GRID] + [-int(2 * v) for v in FP4_GRID]
+
+
+@pytest.mark.parametrize("HI,DI,n,k", [(64, 128, 261, 24), (32, 128, 300, 0), (16, 64, 7, 0),
+                                       (64, 128, 40, 24)])
+def test_the_int8_build_equals_the_bf16_build(HI, DI, n, k):
+    # q on the FP4 grid with blocks 2^-40 .. 2^40 apart and a zero first block: each block's
+    # integer dot product times q's quantum is the bf16 MMAs' exact float sum, so the scores
+    # (and the top-k's first-digit counts) are the same bits; and within the reference's
+    # tolerance. One group a step too, and a run whose last step is partly visible.
+    rng = fresh_rng()
+    ncap, N = 300, 290
+    keys = np.empty((ncap, ix.kvpack.index_key_bytes(DI)), np.uint8)
+    ix.kvpack.pack_index_key_ref(keys, _fp4_spread(rng, (ncap, DI)))
+    q = _fp4_spread(rng, (1, HI, DI))[0]
+    w = rng.normal(size=HI).astype(np.float32)
+    nv = np.array([n], np.int32)
+    ref = np.empty((1, N))
+    ix.indexer_scores_ref(ref[0], q.astype(np.float64), w.astype(np.float64), keys, nv)
+    args = [cuda.to_device(a) for a in (q, w, keys, nv)]
+    builds = [(False, None), (True, None)] + ([] if SIMULATOR else [  # (registers: a GPU's)
+        (True, indexer_warp.I8_CAPPED_REGS)])
+    for groups in (1, 2):
+        got = []
+        for int8, regs in builds:
+            out, work = poisoned(N), ix.topk_workspace()
+            indexer_warp.indexer_scores_warp(out, *args, groups=groups, int8=int8,
+                                             max_registers=regs,
+                                             first_digit=(work, k) if k else None)
+            got.append((out.copy_to_host(), work.copy_to_host()))
+        for scores, hist in got[1:]:
+            assert np.array_equal(scores.view(np.uint32), got[0][0].view(np.uint32))
+            assert np.array_equal(hist, got[0][1])
+            assert hist.any() == (k > 0 and n > k)
+            check_scores(scores[None], ref, [min(n, N)])
