@@ -353,7 +353,8 @@ def inspect(path, all_keys):
                    "instead of its splits over 4 thread groups, or over 2 or 8) or try a "
                    "candidate (HCA's attention at 2 tiles a split; the q_a norm folded on "
                    "every layer; the indexer query's Hadamard a warp a vector, or its GEMV, "
-                   "RoPE, Hadamard and FP4 in one launch; the routed gate+up's SM-wide "
+                   "RoPE, Hadamard and FP4 in one launch; the indexer's scores on int8 "
+                   "MMAs; the routed gate+up's SM-wide "
                    "builds; the routed down on the int8 tensor cores too), each step "
                    "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",
