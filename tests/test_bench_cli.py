@@ -131,9 +131,9 @@ def test_decode_ab_only_keeps_the_variants_named():
     (any of several, case-insensitive); one that names none is refused with the names."""
     from pocketfm.engine.bench import decode_variant_names
 
-    assert decode_variant_names(["SPREAD over 8", "query in one"]) == [
+    assert decode_variant_names(["SPREAD over 8", "query as a GEMV"]) == [
         "as landed", "the combine spread over 8 groups",
-        "the indexer query in one launch (candidate)"]
+        "the indexer query as a GEMV, then hadamard_fp4 (before)"]
     code, _, err = bench("--preset", "tiny", "--ctx", "64", "--decode-ab-only", "no such row")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err

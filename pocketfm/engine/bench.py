@@ -281,6 +281,8 @@ def _decode_variants() -> dict:
             "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
+            "the routed gate+up's imma blocks of one tile (before SM-wide)": dict(
+                imma_gate_up=True),
             "the routed down on int8 tensor cores too (imma)": dict(imma_down=True),
             "HC pre's u block loading the partials first (before)": dict(
                 hc_u_gram=False, hc_u_prefetch=False),
@@ -295,9 +297,6 @@ def _decode_variants() -> dict:
             "HCA's attention with q and its partials unstaged, CSA's partials too (before)": dict(
                 attn_staged=False),
             "HCA's attention at 4 tiles a split (before)": dict(attn_mma_tiles=4),
-            # (more splits measured slower while each cost the combine ~0.15 µs, (m), (o);
-            # the combine spread over 4 groups takes ~0.02 µs a split, (v))
-            "HCA's attention at 2 tiles a split (64 splits)": dict(attn_mma_tiles=2),
             "HC post + comb on the side stream (before)": dict(post_own_stream=False),
             "the compressor after the kv entry (before)": dict(compressor_own_stream=False),
             "both on the side stream (before)": dict(post_own_stream=False,
@@ -314,15 +313,13 @@ def _decode_variants() -> dict:
             "the combine a thread a dim (before)": dict(attn_combine_groups=0),
             **{f"the combine spread over {g} groups": dict(attn_combine_groups=g)
                for g in (2, 8)},
-            "the indexer query in one launch (candidate)": dict(idx_query_one_launch=True),
+            "the indexer query as a GEMV, then hadamard_fp4 (before)": dict(
+                idx_query_one_launch=False),
             "the indexer scores on int8 MMAs (candidate)": dict(indexer_int8=True),
             "the indexer scores on int8 MMAs, 3 blocks an SM (candidate)": dict(
                 indexer_int8=True, indexer_int8_regs=indexer_warp.I8_CAPPED_REGS),
-            **{f"the routed gate+up {how} (candidate)": dict(imma_gate_up=build)
-               for how, build in (("SM-wide, 4 tiles a block", "sm"),
-                                  ("SM-wide, 3 tiles a block", "sm3"),
-                                  ("SM-wide, 3 tiles a block, signs by multiplies",
-                                   "sm3_alu_signs"))}}
+            "the routed gate+up SM-wide, 4 tiles a block (candidate)": dict(
+                imma_gate_up="sm")}
 
 
 def decode_variant_names(texts) -> list:

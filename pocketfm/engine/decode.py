@@ -202,15 +202,17 @@ class DecodeEngine:
         # coalesced runs, the CUDA-core one (CSA, window-only) its partials (attention_decode
         # staged; False: straight between registers and memory); attn_mma_tiles: the tensor-core
         # one's 16-slot tiles a split (3: 6.483 against 6.534 ms at 4, H100, 30 layers,
-        # --decode-ab, 2026-12-06 (r); CSA's on the tensor cores too, at 1 or 2 tiles a split:
-        # 6.449 / 6.435 against 6.436 ms, nil, removed)
+        # --decode-ab, 2026-12-06 (r); 2 tiles, 64 splits, 6.330 against 6.297, 2026-12-07
+        # (w); CSA's on the tensor cores too, at 1 or 2 tiles a split: 6.449 / 6.435 against
+        # 6.436 ms, nil, removed)
         self.attn_staged = True
         self.attn_mma_tiles = MMA_TILES
         # the attention's combine with the splits spread over this many groups of a block's
         # threads, every partial's load issued at once (attention._spread_combine): alone, at
         # P = 20 / 46 / 64 splits, 4.7 / 5.2 / 5.6 µs against 6.9 / 10.7 / 13.6 for a thread a
         # dim, 16 loads at a time (0); 2 groups 5.1-6.1, 8 groups 5.5-7.0 (H100, graphs of
-        # 20, BENCHMARKS 2026-12-06 (v); the step's A/B not yet run)
+        # 20, BENCHMARKS 2026-12-06 (v)); in the step 6.297 ms against 6.430 a thread a dim,
+        # 6.311 / 6.319 at 2 / 8 groups (H100, 30 layers, --decode-ab, 2026-12-07 (w))
         self.attn_combine_groups = 4
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
@@ -221,7 +223,10 @@ class DecodeEngine:
         self.scorer_counts_first_digit = True
         # candidate: that scorer on int8 MMAs (one m16n8k32 a 32-dim block: half the MMAs and
         # A registers, the same scores bit for bit; indexer_warp._warp_scorer_i8), capped at
-        # indexer_int8_regs registers (None: ptxas's 172-178, two blocks an SM; 168: three)
+        # indexer_int8_regs registers (None: ptxas's 172-178, two blocks an SM; 168: three).
+        # Its first build, with an I2F a C value, was slower: 21.1 against 15.0 µs alone, 6.374
+        # / 6.393 (168) against 6.297 ms a step (H100, 2026-12-07 (w)); the I2F is now an add
+        # and a subtract (not yet measured)
         self.indexer_int8 = False
         self.indexer_int8_regs = None
         # attn_output_a's weights (the names of these output projections: "out_a", "out_b")
@@ -248,18 +253,22 @@ class DecodeEngine:
         # prefill's kernel) instead of a block a vector (None: the launcher's pick, the block):
         # 7.816 / 7.675 against 7.814 / 7.678 ms, nil
         self.hadamard_warp = None
-        # candidate: the indexer query's GEMV, RoPE, Hadamard and FP4 in one launch, a block a
-        # head (kernels/indexer_query.py; where idx_q_b is a float weight a warp holds);
-        # False: the GEMV, then hadamard_fp4 (12.4 + 8.2 µs on every CSA layer's path, ncu,
-        # H100, 2026-12-06 (p))
-        self.idx_query_one_launch = False
+        # the indexer query's GEMV, RoPE, Hadamard and FP4 in one launch, a block a head
+        # (kernels/indexer_query.py; where idx_q_b is a float weight a warp holds); False: the
+        # GEMV, then hadamard_fp4 (12.4 + 8.2 µs on every CSA layer's path, ncu, H100,
+        # 2026-12-06 (p)). H100, 30 layers, --decode-ab, one process: 6.230 against 6.297 ms
+        # (BENCHMARKS 2026-12-07 (w))
+        self.idx_query_one_launch = True
         # the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
         # (kernels/imma_iq2_xxs.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
         # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j)): 10.257
         # against 10.366 ms a step, H200, 43 layers (2026-12-06 (l)); False: the dp4a GEMV, or
-        # the name of one of imma_iq2_xxs.CANDIDATES' builds. The routed Q2_K down likewise
-        # (kernels/imma_q2_k.py), a candidate: 10.343 with both against 10.257
-        self.imma_gate_up = True
+        # the name of one of imma_iq2_xxs.CANDIDATES' builds: "sm3", one block an SM of three
+        # tiles' warps sharing a table copy a lane, 27.1 against 28.7 µs alone and 6.276 against
+        # 6.297 ms a step (H100, 30 layers, --decode-ab, one process, BENCHMARKS 2026-12-07 (w);
+        # True: the one-tile blocks). The routed Q2_K down likewise (kernels/imma_q2_k.py), a
+        # candidate: 10.343 with both against 10.257
+        self.imma_gate_up = "sm3"
         self.imma_down = False
         if device.SIMULATOR:
             simulator_prefers_rows()

@@ -417,7 +417,8 @@ _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 # (l)): 27.2-28.8 µs against the default's 28.1. A copy a lane (32: no conflicts, 42 KB with
 # the signs by multiplies) was slower, 30.9-32.6 µs, and was dropped. The SM-wide builds (one
 # block an SM sharing a copy a lane): sm 27.6, sm3 27.1, their alu_signs 29.3 / 28.6 against
-# 28.7 µs (H100, 2026-12-06 (v)); the step's A/B not yet run.
+# 28.7 µs (H100, 2026-12-06 (v)); in the step (H100, 30 layers, 2026-12-07 (w)) sm3 6.276 and
+# sm3_alu_signs 6.311 against 6.297 ms: the decode engine runs "sm3".
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
               "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
               "quad": _tiles_kernel(quad=True, max_registers=128),

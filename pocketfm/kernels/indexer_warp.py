@@ -271,6 +271,14 @@ def _e2m1_twice(nib):
 _e2m1_twice_dev = cuda.jit(device=True, inline="always")(_e2m1_twice)
 
 
+@cuda.jit(device=True, inline="always")
+def _small_int_f32(d):
+    """float32(d) for |d| < 2^22 by an integer add and a float subtract (2^23 + 2^22 + d's
+    bits): both at full rate, where the I2F conversion runs at a quarter (64 a lane a group
+    a step made the first build 21.1 against 15.0 µs, H100)."""
+    return _bits_f32(int32(d) + int32(0x4B400000)) - float32(12582912.0)
+
+
 def _warp_scorer_i8(HI: int, DI: int, groups: int, max_registers=None):
     """As _warp_scorer on int8 MMAs (see above); ``max_registers``: ptxas's cap (sm_90, V4's
     64 x 128: 172 / 178 registers at 1 / 2 groups uncapped, two blocks of 4 warps an SM; at
@@ -390,10 +398,10 @@ def _warp_scorer_i8(HI: int, DI: int, groups: int, max_registers=None):
                         d0, d1, d2, d3 = _mma_s8(qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1,
                                                  xch)
                         p0, p1 = pq[2 * (mt * NB + b)], pq[2 * (mt * NB + b) + 1]
-                        acc[4 * mt] += (float32(d0) * p0) * sa
-                        acc[4 * mt + 1] += (float32(d1) * p0) * sb
-                        acc[4 * mt + 2] += (float32(d2) * p1) * sa
-                        acc[4 * mt + 3] += (float32(d3) * p1) * sb
+                        acc[4 * mt] += (_small_int_f32(d0) * p0) * sa
+                        acc[4 * mt + 1] += (_small_int_f32(d1) * p0) * sb
+                        acc[4 * mt + 2] += (_small_int_f32(d2) * p1) * sa
+                        acc[4 * mt + 3] += (_small_int_f32(d3) * p1) * sb
                 emit(out, hs, acc, ws, g, k0 + 8 * gi + 2 * c, n, count, shf)
             for i in range(NK):
                 kw[i] = nkw[i]
