@@ -288,7 +288,6 @@ def _warp_scorer_i8(HI: int, DI: int, groups: int, max_registers=None):
     NC = 4 * MT  # C registers a lane
     NP = 2 * MT * NB  # q's block quanta a lane uses: its rows g, g + 8 of each m-tile, a block
     QF, QB = 32 * NA, HI * NB  # q's A words (every lane's), q's blocks
-    QV = HI * NB * 8  # q's 4-dim runs (one A word each)
     SW = cdiv(NB, 4)
     NK = groups * NB  # key words a lane loads a step: one a block
     NS = groups * 2 * SW
@@ -332,31 +331,28 @@ def _warp_scorer_i8(HI: int, DI: int, groups: int, max_registers=None):
         if count:
             for i in range(tid, FIRST_DIGIT_BINS, nt):
                 hs[i] = 0
-        for i0 in range(0, QV, nt):  # whole warps a round: 8 lanes a (head, block), 4 dims each
-            i = i0 + tid
-            hb, d4 = min(i, QV - 1) >> 3, i & 7
+        for hb in range(tid, QB, nt):  # a (head, block) a thread: its 32 loads all in flight
             h, b = hb // NB, hb % NB
-            v0, v1 = q[h, 32 * b + 4 * d4], q[h, 32 * b + 4 * d4 + 1]
-            v2, v3 = q[h, 32 * b + 4 * d4 + 2], q[h, 32 * b + 4 * d4 + 3]
-            amax = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
-            for off in (1, 2, 4):
-                amax = max(amax, xor_shfl(amax, off, shf))
+            v = cuda.local.array(32, float32)
+            for d in range(32):
+                v[d] = q[h, 32 * b + d]
+            amax = float32(0.0)
+            for d in range(32):
+                amax = max(amax, abs(v[d]))
             # pq = 2^e, e = ⌊log2 amax⌋ - 4 from amax's exponent bits; e >= -125 keeps pq / 2
             # a normal float (exact while amax >= 2^-121: a block of q below that is rounded)
             e = min(max(int32((_f32_bits(amax) >> uint32(23)) & uint32(255)) - 131, -125), 126)
             inv = _bits_f32(int32((127 - e) << 23))
-            word = ((uint32(int32(v0 * inv)) & uint32(255))
-                    | ((uint32(int32(v1 * inv)) & uint32(255)) << uint32(8))
-                    | ((uint32(int32(v2 * inv)) & uint32(255)) << uint32(16))
-                    | ((uint32(int32(v3 * inv)) & uint32(255)) << uint32(24)))
-            # A word r = 4(mt·NB + b) + v of lane (gl, cl): head 16mt + gl (+8 for odd v),
-            # dims 32b + 8cl (+4 for v >= 2) .. +3
+            # A word r = 4(mt·NB + b) + v of lane (gl, cl): head 16mt + gl (+8 for odd v), dims
+            # 32b + 8cl (+4 for v >= 2) .. +3; this block's 4-dim run d4 is lane 4gl + d4 / 2's
             hr = h & 15
-            r = 4 * ((h >> 4) * NB + b) + (hr >> 3) + 2 * (d4 & 1)
-            if i < QV:
-                qf[r * 32 + 4 * (hr & 7) + (d4 >> 1)] = word
-                if d4 == 0:
-                    qp[hb] = _bits_f32(int32((e + 126) << 23))
+            r0 = 4 * ((h >> 4) * NB + b) + (hr >> 3)
+            for d4 in range(8):
+                word = uint32(0)
+                for m in range(4):
+                    word |= (uint32(int32(v[4 * d4 + m] * inv)) & uint32(255)) << uint32(8 * m)
+                qf[(r0 + 2 * (d4 & 1)) * 32 + 4 * (hr & 7) + (d4 >> 1)] = word
+            qp[hb] = _bits_f32(int32((e + 126) << 23))
         for i in range(tid, HI, nt):
             ws[i] = w[i]
         cuda.syncthreads()
