@@ -354,7 +354,7 @@ def inspect(path, all_keys):
                    "query as its GEMV and then the Hadamard instead of one launch; the routed "
                    "gate+up's imma blocks of one tile instead of the SM-wide build) or try a "
                    "candidate (the q_a norm folded on every layer; the indexer query's "
-                   "Hadamard a warp a vector; the indexer's scores on int8 MMAs; the routed "
+                   "Hadamard a warp a vector; the routed "
                    "gate+up's SM-wide build of 4 tiles a block; the routed down on the int8 "
                    "tensor cores too), each step "
                    "captured anew, in turn, twice: an A/B in one process.")

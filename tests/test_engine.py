@@ -380,16 +380,3 @@ def test_the_sm_wide_routed_gate_up_changes_no_logit():
     for name in ("sm", "sm3"):
         for how in (0, 1):  # eager, replayed
             assert np.array_equal(logits[name][how], logits["default"][how]), (name, how)
-
-
-@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
-def test_the_int8_indexer_scorer_changes_no_logit():
-    """indexer_warp's int8 builds (uncapped, and capped for three blocks an SM) give each
-    32-dim block's exact integer dot product, the bf16 build's exact float sum: the same
-    logits bit for bit, eager and replayed."""
-    logits = _flash_4_layer_logits({"bf16": {}, "int8": dict(indexer_int8=True),
-                                    "capped": dict(indexer_int8=True, indexer_int8_regs=168)},
-                                   graph=True)
-    for name in ("int8", "capped"):
-        for how in (0, 1):  # eager, replayed
-            assert np.array_equal(logits[name][how], logits["bf16"][how]), (name, how)

@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from ..config import ModelConfig
-from ..kernels import device, indexer_warp
+from ..kernels import device
 from ..kernels.attention import random_packed_kv
 from ..kernels.indexer import random_packed_keys
 from ..kernels.kvpack import index_key_bytes
@@ -315,9 +315,6 @@ def _decode_variants() -> dict:
                for g in (2, 8)},
             "the indexer query as a GEMV, then hadamard_fp4 (before)": dict(
                 idx_query_one_launch=False),
-            "the indexer scores on int8 MMAs (candidate)": dict(indexer_int8=True),
-            "the indexer scores on int8 MMAs, 3 blocks an SM (candidate)": dict(
-                indexer_int8=True, indexer_int8_regs=indexer_warp.I8_CAPPED_REGS),
             "the routed gate+up SM-wide, 4 tiles a block (candidate)": dict(
                 imma_gate_up="sm")}
 

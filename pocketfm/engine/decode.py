@@ -221,14 +221,9 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
-        # candidate: that scorer on int8 MMAs (one m16n8k32 a 32-dim block: half the MMAs and
-        # A registers, the same scores bit for bit; indexer_warp._warp_scorer_i8), capped at
-        # indexer_int8_regs registers (None: ptxas's 172-178, two blocks an SM; 168: three).
-        # Its first build, with an I2F a C value, was slower: 21.1 against 15.0 µs alone, 6.374
-        # / 6.393 (168) against 6.297 ms a step (H100, 2026-12-07 (w)); the I2F is now an add
-        # and a subtract (not yet measured)
-        self.indexer_int8 = False
-        self.indexer_int8_regs = None
+        # (that scorer on int8 MMAs, one m16n8k32 a 32-dim block with the same scores bit for
+        # bit, measured slower twice: 20.1 against 15.1 µs alone, 6.270 against 6.212 ms a
+        # step, H100, 2026-12-07 (w); removed)
         # attn_output_a's weights (the names of these output projections: "out_a", "out_b")
         # requested into L2 by 8 blocks on a stream of their own beside the attention and its
         # combine (~30-47 µs a layer that leave DRAM idle), so that its GEMV reads L2
@@ -276,8 +271,7 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
-        indexer_one_warp, scorer_counts_first_digit, indexer_int8, indexer_int8_regs,
-        limbs_in_combine, hadamard_warp,
+        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         idx_query_one_launch, imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch,
         hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_combine_groups,
@@ -557,9 +551,7 @@ class DecodeEngine:
             both = self.scorer_counts_first_digit and self.mem is None
             counted = indexer_scores(scores, q, w, c.index_keys, n, stream=s, threads=nt,
                                      q_fp4=self.indexer_one_warp,  # (hadamard_fp4's q)
-                                     top_k=(work, cfg.index_topk) if both else None,
-                                     int8=self.indexer_int8,
-                                     int8_registers=self.indexer_int8_regs)
+                                     top_k=(work, cfg.index_topk) if both else None)
         if self.mem is not None:  # top-k inside the Memory Indexer's resident set
             self.mem.mask_scores(scores, s)
         # the picks in ascending order: attention sums them in list order, so a run repeats

@@ -325,21 +325,18 @@ def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=No
 
 
 def indexer_scores(out, q, w, keys_packed, n_visible, stream=0, threads=None,
-                   naive: bool = False, mma=None, q_fp4: bool = False, top_k=None,
-                   int8: bool = False, int8_registers=None) -> bool:
+                   naive: bool = False, mma=None, q_fp4: bool = False, top_k=None) -> bool:
     """Decode form: out[N] f32 <- q[HI, DI], w[HI], keys_packed[Ncap, bytes], n_visible[1].
     ``q_fp4``: q is on the FP4 grid (hadamard_fp4's output), which lets one warp of the
     tensor-core scorer hold every head (indexer_warp.indexer_scores_warp). ``top_k`` = (work,
     k): the top-k to follow on these scores (its topk_workspace and k), whose first radix
     digit that kernel then counts. Returns whether it did: pass it on as topk's
-    ``first_digit_counted``. ``int8``: that kernel's int8-MMA build (a candidate), capped at
-    ``int8_registers``."""
+    ``first_digit_counted``."""
     HI, DI = q.shape
     if q_fp4 and _use_mma(mma, naive, HI, DI) and indexer_warp.fits_warp(HI, DI):
         counted = top_k is not None and keys_packed.shape[0] >= out.shape[0]  # (the same n)
         indexer_warp.indexer_scores_warp(out, q, w, keys_packed, n_visible, stream,
-                                         first_digit=top_k if counted else None, int8=int8,
-                                         max_registers=int8_registers)
+                                         first_digit=top_k if counted else None)
         return counted
     if _use_mma(mma, naive, HI, DI):
         indexer_mma.indexer_scores_mma(out, q, w, keys_packed, n_visible, stream)
@@ -959,17 +956,12 @@ def bench_cases(stream) -> list[BenchCase]:
                 indexer_scores(scores, q, w, keys, nv, stream=stream, mma=mma)
             cases.append(BenchCase("indexer", f"indexer_scores {_KIND[mma]} N={N} HI={HI}",
                                    scores_only, nbytes, flops=2 * N * HI * (DI + 1)))
-        # the engine's: q on the FP4 grid, one warp every head; its int8 builds (candidates)
-        for groups, int8, regs in ((1, False, None), (2, False, None), (1, True, None),
-                                   (2, True, None), (2, True, indexer_warp.I8_CAPPED_REGS)):
-            def one_warp(scores=scores, q=q, w=w, keys=keys, nv=nv, groups=groups, int8=int8,
-                         regs=regs):
-                indexer_warp.indexer_scores_warp(scores, q, w, keys, nv, stream, groups=groups,
-                                                 int8=int8, max_registers=regs)
-            how = (" int8" if int8 else "") + (f" {regs} registers" if regs else "")
+        for groups in (1, 2):  # the engine's: q on the FP4 grid, one warp every head
+            def one_warp(scores=scores, q=q, w=w, keys=keys, nv=nv, groups=groups):
+                indexer_warp.indexer_scores_warp(scores, q, w, keys, nv, stream, groups=groups)
             cases.append(BenchCase("indexer", f"indexer_scores tensor cores, a warp every head "
-                                   f"({8 * groups} keys a step){how} N={N} HI={HI}", one_warp,
-                                   nbytes, flops=2 * N * HI * (DI + 1)))
+                                   f"({8 * groups} keys a step) N={N} HI={HI}", one_warp, nbytes,
+                                   flops=2 * N * HI * (DI + 1)))
 
         for fused in (True, False):
             def launch(scores=scores, q=q, w=w, keys=keys, nv=nv, idx=idx, work=work,
