@@ -376,7 +376,8 @@ def test_the_sm_wide_routed_gate_up_changes_no_logit():
     order as the default build: the same logits bit for bit, eager and replayed."""
     logits = _flash_4_layer_logits({"default": dict(imma_gate_up=True),
                                     "sm": dict(imma_gate_up="sm"),
-                                    "sm3": dict(imma_gate_up="sm3_alu_signs")}, graph=True)
-    for name in ("sm", "sm3"):
+                                    "sm3": dict(imma_gate_up="sm3"),  # (the engine's)
+                                    "sm3_alu": dict(imma_gate_up="sm3_alu_signs")}, graph=True)
+    for name in ("sm", "sm3", "sm3_alu"):
         for how in (0, 1):  # eager, replayed
             assert np.array_equal(logits[name][how], logits["default"][how]), (name, how)

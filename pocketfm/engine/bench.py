@@ -252,7 +252,8 @@ def _decode_variants() -> dict:
     compressor on streams of their own, and the CSA q_a norm made by its readers with the
     indexer's weights on a branch of their own; out_a's weights prefetched into L2 beside the
     attention, by 8 blocks, and the next layer's q_a beside the MoE; the attention's combine
-    with its splits over 4 thread groups) or try a candidate (the
+    with its splits over 4 thread groups; the indexer query in one launch; the routed gate+up's
+    SM-wide build of 3 tiles a block) or try a candidate (the
     q_a norm folded on every layer: slower, the CSA layers' indexer path gets longer; the
     indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one

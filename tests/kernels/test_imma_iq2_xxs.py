@@ -117,7 +117,7 @@ def test_candidate_builds_give_the_same_bits():
             assert np.array_equal(out.copy_to_host(), base.copy_to_host()), build
 
 
-@pytest.mark.parametrize("build", ["sm", "sm3_alu_signs"])
+@pytest.mark.parametrize("build", ["sm", "sm3", "sm3_alu_signs"])  # (sm3: the engine's)
 def test_sm_wide_build_equals_the_default_over_rounds(build):
     """The SM-wide build (3-4 tiles a block at once, one table copy a lane) over 9 tiles (the
     last partial) of 4 stages (4 warps a tile): its grid of 2 blocks a token takes 6-8 tiles a
