@@ -52,6 +52,7 @@ STAGE = 16  # groups a warp stages at a time: 512 columns, 128 bytes of each row
 STAGE_LD = STAGE + 2  # uint64 words a staged row takes in shared memory (module doc: banks)
 STAGED_WORDS = WARPS * ROWS * STAGE_LD  # the warps' staged rows in shared memory
 REPS = 8  # copies of each table in shared memory (lane l reads copy l % REPS)
+TILE_REGS = 128  # the one-tile builds' registers: 4 blocks of WARPS warps an SM
 PREP_THREADS = 128  # x preparation: threads a block (a thread makes 8 columns)
 SHF = PREP_THREADS if SIMULATOR else 1  # simulator lane exchange (x preparation)
 SHF_TILE = 32 * WARPS if SIMULATOR else 1  # ... and the GEMV's (its quad sums)
@@ -104,11 +105,13 @@ def _odd_scaled(v, w):
 
 
 def _group_math(reps: int, sign_alu: bool, quad: bool = False):
-    """(grid_row_codes, super_block) for ``reps`` copies of the tables in shared memory, the
-    signs from the sign table or (``sign_alu``) by _signs_by_multiplies; with ``quad`` each
-    lane scales one group in four (its sums are a quarter of the row's: the caller adds the
-    quad's)."""
+    """(grid_row_codes, super_block, tile_stages) for ``reps`` copies of the tables in shared
+    memory, the signs from the sign table or (``sign_alu``) by _signs_by_multiplies; with
+    ``quad`` each lane scales one group in four (its sums are a quarter of the row's: the
+    caller adds the quad's)."""
     signs_at = 256 * reps  # where the sign table's copies start (uint32 words)
+    at = (4 * reps).bit_length() - 1  # log2 of a table entry's bytes over the copies
+    assert 4 * reps == 1 << at, reps
 
     @cuda.jit(device=True)
     def grid_row_codes(w, pick, shift, tab, lane_at):
@@ -117,11 +120,15 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False):
         # The row is the lane's c: pick = 0x4440 + c (prmt: its index byte alone), shift = 7 c
         # (its 7 sign bits); lane_at: the shared address of the lane's copy of the tables.
         idx = _prmt(uint32(w & uint64(0xFFFFFFFF)), 0, pick)
-        s7 = _shf_r(uint32(w >> uint64(32)), 0, shift) & uint32(127)
+        wh = uint32(w >> uint64(32))
         if sign_alu:
-            sg = _signs_by_multiplies(s7)
+            sg = _signs_by_multiplies(_shf_r(wh, 0, shift) & uint32(127))
         else:
-            sg = _lds_u32(tab, lane_at + uint32(4 * signs_at) + s7 * uint32(4 * reps))
+            # the 7 sign bits rotated to bit ``at``: already the entry's byte offset (a rotate
+            # and a mask where a shift, a mask, a multiply and an add made it; the rotate
+            # count is loop-invariant)
+            s7_at = _shf_r(wh, wh, (shift - uint32(at)) & uint32(31)) & uint32(127 << at)
+            sg = _lds_u32(tab, lane_at + uint32(4 * signs_at) + s7_at)
         sel = _lds_u32(tab, lane_at + idx * uint32(4 * reps)) | sg
         return _prmt(_POS, _NEG, sel), _prmt(_POS, _NEG, sel >> uint32(16))
 
@@ -182,13 +189,46 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False):
         s0, s1 = group_dot(rows, r0, r8, k0 + 6, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
         s0, s1 = group_dot(rows, r0, r8, k0 + 7, xr, sr, pick, shift, tab, lane_at, xch, s0, s1)
         return s0, s1
-    return grid_row_codes, super_block
+
+    @cuda.jit(device=True)
+    def tile_stages(rows, rows_at, w, stage0, nw, per_warp, pre, dpre, qs, d, e, n0, n_next, N,
+                    lr, lc, g, c, bx, G, xq, xs, r0, r8, pick, shift, tab, lane_at, xch):
+        # warp w's stages stage0, stage0 + nw, .. of the tile at row n0 -> the sums of rows
+        # g, g + 8 (before the tile's d scale of 1/8). Each stage's bytes (in pre / dpre, loaded
+        # a stage ahead) go to the warp's rows (from word rows_at on) and the next stage's, or
+        # the next tile's first (row n_next, when >= 0), are requested during this one's math
+        acc0 = float32(0)
+        acc1 = float32(0)
+        for j in range(per_warp):
+            stage = stage0 + j * nw
+            _syncwarp()  # the warp's rows are free (the last stage's reads are done)
+            for i in range(4):
+                at = uint32(rows_at + (w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
+                rows[at] = pre[2 * i]
+                rows[at + uint32(1)] = pre[2 * i + 1]
+            d0, d8, d0b, d8b = dpre[0], dpre[1], dpre[2], dpre[3]
+            _syncwarp()
+            if j + 1 < per_warp:
+                _load_stage(pre, dpre, qs, d, e, n0, stage + nw, N, lr, lc, g)
+            elif n_next >= 0:
+                _load_stage(pre, dpre, qs, d, e, n_next, stage0, N, lr, lc, g)
+            col0 = uint32(stage * STAGE)  # the stage's first group
+            xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
+            sr = xs[uint32(bx * G) + col0:]
+            s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch, c)
+            acc0 += s0 * d0
+            acc1 += s1 * d8
+            s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch, c)
+            acc0 += s0 * d0b
+            acc1 += s1 * d8b
+        return acc0, acc1
+    return grid_row_codes, super_block, tile_stages
 
 
 def _tiles_body(reps: int, sign_alu: bool, quad: bool):
     """The GEMV kernel's function for ``reps`` table copies, the signs by table or multiplies,
     each group scaled on every lane of a quad or (``quad``) on one."""
-    _, super_block = _group_math(reps, sign_alu, quad)
+    tile_stages = _group_math(reps, sign_alu, quad)[2]
     table_words = (256 if sign_alu else 384) * reps  # the code (and sign) tables' copies
     tables = _TABLES[:table_words // reps]
 
@@ -225,34 +265,11 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
             _load_stage(pre, dpre, qs, d, e, tn * ROWS, w, N, lr, lc, g)
         cuda.syncthreads()  # the tables
         while tn < tiles_n:
-            acc0 = float32(0)
-            acc1 = float32(0)
-            for j in range(per_warp):
-                stage = w + j * nw
-                _syncwarp()  # the warp's rows are free (the last stage's reads are done)
-                for i in range(4):
-                    at = uint32((w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
-                    rows[at] = pre[2 * i]
-                    rows[at + uint32(1)] = pre[2 * i + 1]
-                d0, d8, d0b, d8b = dpre[0], dpre[1], dpre[2], dpre[3]
-                _syncwarp()
-                # the next stage's bytes in flight during this one's math (or the next tile's)
-                if j + 1 < per_warp:
-                    _load_stage(pre, dpre, qs, d, e, tn * ROWS, stage + nw, N, lr, lc, g)
-                elif tn + cuda.gridDim.x < tiles_n:
-                    _load_stage(pre, dpre, qs, d, e, (tn + cuda.gridDim.x) * ROWS, w, N, lr,
-                                lc, g)
-                col0 = uint32(stage * STAGE)  # the stage's first group
-                xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
-                sr = xs[uint32(bx * G) + col0:]
-                s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch,
-                                     c)
-                acc0 += s0 * d0
-                acc1 += s1 * d8
-                s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch,
-                                     c)
-                acc0 += s0 * d0b
-                acc1 += s1 * d8b
+            tn_next = tn + cuda.gridDim.x
+            acc0, acc1 = tile_stages(rows, 0, w, w, nw, per_warp, pre, dpre, qs, d, e,
+                                     tn * ROWS, tn_next * ROWS if tn_next < tiles_n else -1, N,
+                                     lr, lc, g, c, bx, G, xq, xs, r0, r8, pick, shift, tab,
+                                     lane_at, xch)
             if quad:  # the quad's lanes each scaled a quarter of the groups
                 acc0, acc1 = quad_sums(acc0, acc1, shf)
             tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125), 0)
@@ -270,7 +287,7 @@ def _sm_tiles_body(sign_alu: bool):
     reads the last rows and stores nothing) so that they meet at the block's barriers. The
     tables and the staged rows sit in dynamic shared memory (86 KB at 4 sub-blocks: over the
     48 KB a static array may take)."""
-    _, super_block = _group_math(SM_REPS, sign_alu)
+    tile_stages = _group_math(SM_REPS, sign_alu)[2]
     table_words = (256 if sign_alu else 384) * SM_REPS
     rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
     tables = _TABLES[:table_words // SM_REPS]
@@ -308,34 +325,10 @@ def _sm_tiles_body(sign_alu: bool):
         _load_stage(pre, dpre, qs, d, e, min(tn, tiles_n - 1) * ROWS, sw, N, lr, lc, g)
         cuda.syncthreads()  # the tables
         while tn - sub < tiles_n:  # (the block's first tile: the same for all its warps)
-            n0 = min(tn, tiles_n - 1) * ROWS
-            acc0 = float32(0)
-            acc1 = float32(0)
-            for j in range(per_warp):
-                stage = sw + j * nw
-                _syncwarp()
-                for i in range(4):
-                    at = uint32(rows_at + (w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
-                    rows[at] = pre[2 * i]
-                    rows[at + uint32(1)] = pre[2 * i + 1]
-                d0, d8, d0b, d8b = dpre[0], dpre[1], dpre[2], dpre[3]
-                _syncwarp()
-                if j + 1 < per_warp:
-                    _load_stage(pre, dpre, qs, d, e, n0, stage + nw, N, lr, lc, g)
-                elif tn - sub + span < tiles_n:
-                    _load_stage(pre, dpre, qs, d, e, min(tn + span, tiles_n - 1) * ROWS, sw, N,
-                                lr, lc, g)
-                col0 = uint32(stage * STAGE)
-                xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
-                sr = xs[uint32(bx * G) + col0:]
-                s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch,
-                                     c)
-                acc0 += s0 * d0
-                acc1 += s1 * d8
-                s0, s1 = super_block(rows, r0, r8, 8, xr, sr, pick, shift, tab, lane_at, xch,
-                                     c)
-                acc0 += s0 * d0b
-                acc1 += s1 * d8b
+            n_next = min(tn + span, tiles_n - 1) * ROWS if tn - sub + span < tiles_n else -1
+            acc0, acc1 = tile_stages(rows, rows_at, w, sw, nw, per_warp, pre, dpre, qs, d, e,
+                                     min(tn, tiles_n - 1) * ROWS, n_next, N, lr, lc, g, c, bx,
+                                     G, xq, xs, r0, r8, pick, shift, tab, lane_at, xch)
             tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125), sub * nw)
             tn += span
     return gemv_iq2_xxs_imma_sm_tiles
@@ -386,15 +379,16 @@ def x_imma_groups(xq, xs, x):
 
 
 def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
-                  max_registers=None):
+                  max_registers: int = TILE_REGS):
     """The GEMV kernel: ``reps`` copies of the tables, the signs by table or multiplies, each
     group scaled on one lane of a quad (``quad``) or all four, the registers capped at
-    ``max_registers`` (more blocks an SM) or as ptxas sees fit (None)."""
-    opts = {} if max_registers is None else {"max_registers": max_registers}
-    k = kernel(_tiles_body(reps, sign_alu, quad), **opts)
+    ``max_registers`` (TILE_REGS: 4 blocks an SM; without the cap ptxas may take 130 and hold
+    3)."""
+    k = kernel(_tiles_body(reps, sign_alu, quad), max_registers=max_registers)
     k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_tiles" + "".join(
         f"_{v}" for v, on in ((f"reps{reps}", reps != REPS), ("alu_signs", sign_alu),
-                              ("quad", quad), (f"r{max_registers}", max_registers)) if on)
+                              ("quad", quad), (f"r{max_registers}", max_registers != TILE_REGS))
+        if on)
     return k
 
 
@@ -418,11 +412,12 @@ _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 # the signs by multiplies) was slower, 30.9-32.6 µs, and was dropped. The SM-wide builds (one
 # block an SM sharing a copy a lane): sm 27.6, sm3 27.1, their alu_signs 29.3 / 28.6 against
 # 28.7 µs (H100, 2026-12-06 (v)); in the step (H100, 30 layers, 2026-12-07 (w)) sm3 6.276 and
-# sm3_alu_signs 6.311 against 6.297 ms: the decode engine runs "sm3".
+# sm3_alu_signs 6.311 against 6.297 ms: the decode engine runs "sm3". With one stage loop
+# (_group_math's tile_stages) for both bodies, sm3 26.5 against 27.0 µs, sm 26.8 against 27.6
+# (H100, 2026-12-07 (x); the sign rotate beside it: no change, 26.5).
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
               "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
-              "quad": _tiles_kernel(quad=True, max_registers=128),
-              "reps16_quad": _tiles_kernel(16, quad=True, max_registers=128),
+              "quad": _tiles_kernel(quad=True), "reps16_quad": _tiles_kernel(16, quad=True),
               "sm": _sm_tiles_kernel(), "sm_alu_signs": _sm_tiles_kernel(sign_alu=True),
               "sm3": _sm_tiles_kernel(subs=3), "sm3_alu_signs": _sm_tiles_kernel(True, 3)}
 _x_imma_groups = kernel(x_imma_groups)

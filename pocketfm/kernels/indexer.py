@@ -398,12 +398,23 @@ _WS_LEN = _WS_BAR + 2
 
 
 @_inline
-def _grid_barrier(ws, G):
-    """Every block of the grid meets here. All G blocks must be resident at once: the
-    launcher keeps G <= one block per SM. The arrival count returns to 0 after each use."""
+def _barrier_generation(ws):
+    """The barrier's generation as this launch starts (thread 0's, for _grid_barrier): read
+    once, with the block's first loads, instead of at every barrier (one L2 round trip fewer
+    on each barrier's path: the top-k alone 20.2 -> 19.9 µs at 65,536 scores, H100,
+    2026-12-07 (x))."""
+    return int32(cuda.atomic.add(ws, _WS_BAR + 1, 0)) if cuda.threadIdx.x == 0 else int32(0)
+
+
+@_inline
+def _grid_barrier(ws, G, gen):
+    """Every block of the grid meets here; returns the generation after it (thread 0's
+    ``gen``: _barrier_generation's, then each barrier's return). All G blocks must be
+    resident at once: the launcher keeps G <= one block per SM. The arrival count returns to 0
+    after each use; the generation only grows (wrapping), so that a later launch can read its
+    start from it."""
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
-        gen = cuda.atomic.add(ws, _WS_BAR + 1, 0)
         cuda.threadfence()  # this block's writes before its arrival
         if cuda.atomic.add(ws, _WS_BAR, 1) == G - 1:
             cuda.atomic.add(ws, _WS_BAR, -G)
@@ -414,6 +425,7 @@ def _grid_barrier(ws, G):
                 cuda.nanosleep(64)
         cuda.threadfence()
     cuda.syncthreads()
+    return int32(gen + int32(1))
 
 
 _order_key = _inline(indexer_warp.order_key)  # (the scorer counts the first digit with it too)
@@ -570,6 +582,7 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     one_span = hi - lo <= span  # (block-uniform)
     if one_span:
         _load_keys(keys, bits, j0, n)
+    gen = _barrier_generation(ws)
     prefix = 0
     pmask = 0
     need = k  # how many of the entries matching ``prefix`` still belong to the top k
@@ -594,7 +607,7 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
             for i in range(tid, nb, nt):
                 if hist[i] > 0:
                     cuda.atomic.add(ws, p * _HIST + i, hist[i])
-            _grid_barrier(ws, G)
+            gen = _grid_barrier(ws, G, gen)
         _pick_digit(ws, p * _HIST, nb, need, wsum, xch, found)
         prefix |= int(found[0]) << shift
         pmask |= (nb - 1) << shift
@@ -623,7 +636,7 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
         ws[_WS_EQ + b] = n_eq
         found[0] = 0
         found[1] = 0
-    _grid_barrier(ws, G)
+    _grid_barrier(ws, G, gen)
     if b == 0:  # every block has read the histograms (before the barrier): clear them
         for i in range(tid, 3 * _HIST, nt):
             ws[i] = 0

@@ -136,17 +136,23 @@ def test_topk_fewer_visible_than_k(naive):
 
 
 def test_topk_reuses_its_workspace():
-    """The radix kernel leaves its barrier counter and histograms at zero: back-to-back calls
-    (ties at the cut in the second, so it takes all three digit passes) stay correct."""
+    """The radix kernel leaves its barrier's arrival count and its histograms at zero, and each
+    launch reads the barrier's generation where the last left it: back-to-back calls (ties at
+    the cut in some, so they take all three digit passes; on a GPU over ~35 blocks, so every
+    grid barrier waits) stay correct."""
     work = ix.topk_workspace()
     rng = fresh_rng()
-    for n, ties in ((97, False), (90, True), (40, False), (5, False), (101, False)):
-        scores = rng.normal(size=101).astype(np.float32)
+    N = 101 if SIMULATOR else 70_001
+    for n, ties in ((97, False), (90, True), (40, False), (5, False), (101, False),
+                    (96, True), (101, True)):
+        n = n * N // 101
+        scores = rng.normal(size=N).astype(np.float32)
         if ties:
-            scores = np.round(scores).astype(np.float32)
-        out, ref = run_topk(scores, n, 16, False, work)
+            scores = np.round(scores * 4).astype(np.float32)
+        out, ref = run_topk(scores, n, 16 if SIMULATOR else 512, False, work)
         assert list(out) == ascending(ref)
-    assert not work.copy_to_host()[:3 * ix._HIST].any()
+    left = work.copy_to_host()
+    assert not left[:3 * ix._HIST].any() and left[ix._WS_BAR] == 0
 
 
 def run_topk_chunk(scores, nv, k, threads=THREADS, cand=ix._CAND, tie_list=ix._TIE_LIST):
