@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
+from numba.types import float16
 
 from ..quants import GGMLType, Q8_0Block, dequantize, random_blocks, type_name
 from .bench import BenchCase
@@ -540,7 +541,9 @@ def _limbs_dot(wv, q, xq, xq0, xs, xs0):
 def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, SCALED):
     """Issue the R x CPL 16-byte loads (and scales) of flat rows row0 .. row0 + R - 1, without
     a branch: rows clamp to row_end - 1 (their sums are never written) and chunks past the row
-    end to the last chunk (those lanes hold x = 0)."""
+    end to the last chunk (those lanes hold x = 0). The scales stay in ws's type (sv's): a
+    conversion here would wait for the load at once, where the caller prefetches them a step
+    ahead (2026-12-07 (x): the float16 -> float32 conversions sat right after the loads)."""
     for i in range(R):
         row = min(row0 + i, row_end - 1)
         for j in range(CPL):
@@ -548,7 +551,7 @@ def _load_rows(wv, sv, wq, ws, row0, row_end, kw, ks, c0, nchunk, R, CPL, CPS, S
             q = (i * CPL + j) * 4
             wv[q], wv[q + 1], wv[q + 2], wv[q + 3] = _ld_x4(wq, row * kw + c * 4)
             if SCALED:
-                sv[i * CPL + j] = np.float32(_ld(ws, row * ks + c // CPS))
+                sv[i * CPL + j] = _ld(ws, row * ks + c // CPS)
 
 
 @cuda.jit(device=True)
@@ -608,9 +611,9 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
         xq = cuda.local.array(N_XQ, np.int32)  # x limbs of my chunks (Q8_0)
         xs = cuda.local.array(N_XS, np.float32)
         wv = cuda.local.array(N_W, WDT)  # the words of this step
-        sv = cuda.local.array(N_S, np.float32)
+        sv = cuda.local.array(N_S, float16)  # (ws's type: converted where used)
         wn = cuda.local.array(N_W, WDT)  # ... and of the next one
-        sn = cuda.local.array(N_S, np.float32)
+        sn = cuda.local.array(N_S, float16)
         acc = cuda.local.array(N_ACC, np.float32)
         tb = cuda.local.array(B, np.float32)
         ngroups = (N + wr_n * R - 1) // (wr_n * R)
@@ -657,7 +660,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                         for b in range(B):
                             sl = b * CPL + j
                             dot = _limbs_dot(wv, q, xq, sl * 12, xs, sl * 3)
-                            acc[i * B + b] += sv[i * CPL + j] * dot
+                            acc[i * B + b] += np.float32(sv[i * CPL + j]) * dot
                     else:
                         for b in range(B):
                             tb[b] = np.float32(0)
@@ -667,7 +670,8 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                                 for b in range(B):
                                     tb[b] += f * xf[(b * CPL + j) * EC + m * EPW + kk]
                         for b in range(B):
-                            acc[i * B + b] += tb[b] * sv[i * CPL + j] if SCALED else tb[b]
+                            acc[i * B + b] += (tb[b] * np.float32(sv[i * CPL + j]) if SCALED
+                                               else tb[b])
             for i in range(R):
                 for b in range(B):
                     v = warp_sum(acc[i * B + b], scratch)

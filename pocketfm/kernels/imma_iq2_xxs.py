@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
+from numba.types import float16
 
 from .. import quants
 from ..quants import GGMLType
@@ -206,7 +207,8 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False):
                 at = uint32(rows_at + (w * ROWS + lr + 4 * i) * STAGE_LD + 2 * lc)
                 rows[at] = pre[2 * i]
                 rows[at + uint32(1)] = pre[2 * i + 1]
-            d0, d8, d0b, d8b = dpre[0], dpre[1], dpre[2], dpre[3]
+            d0, d8 = float32(dpre[0]), float32(dpre[1])  # (converted here, not at the load:
+            d0b, d8b = float32(dpre[2]), float32(dpre[3])  # the load's latency stays hidden)
             _syncwarp()
             if j + 1 < per_warp:
                 _load_stage(pre, dpre, qs, d, e, n0, stage + nw, N, lr, lc, g)
@@ -247,22 +249,22 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
         red = cuda.shared.array((WARPS, ROWS), float32)
         xch = cuda.shared.array(XCH, uint64)
         shf = cuda.shared.array(SHF_TILE, float32)
+        # this lane's share of a stage: rows lr, lr + 4, + 8, + 12 of the tile, 16 bytes at
+        # byte 16 lc of each row's 128; the rows it reads back: g and g + 8
+        lr, lc = lane >> 3, lane & 7
+        pre = cuda.local.array(8, uint64)
+        dpre = cuda.local.array(4, float16)  # d of rows g, g + 8 for the stage's super-blocks
+        tn = cuda.blockIdx.x
+        if tn < tiles_n:  # (in flight while the tables are written)
+            _load_stage(pre, dpre, qs, d, e, tn * ROWS, w, N, lr, lc, g)
         consts = cuda.const.array_like(tables)
         for i in range(t, table_words, cuda.blockDim.x):
             tab[i] = consts[i // reps]
         lane_at = _shared_at(tab) + uint32(4 * (lane % reps))  # the lane's copy of the tables
         pick = uint32(0x4440 + c)
         shift = uint32(7 * c)
-        # this lane's share of a stage: rows lr, lr + 4, + 8, + 12 of the tile, 16 bytes at
-        # byte 16 lc of each row's 128; the rows it reads back: g and g + 8
-        lr, lc = lane >> 3, lane & 7
         r0 = uint32((w * ROWS + g) * STAGE_LD)
         r8 = r0 + uint32(8 * STAGE_LD)
-        pre = cuda.local.array(8, uint64)
-        dpre = cuda.local.array(4, float32)  # d of rows g, g + 8 for the stage's super-blocks
-        tn = cuda.blockIdx.x
-        if tn < tiles_n:
-            _load_stage(pre, dpre, qs, d, e, tn * ROWS, w, N, lr, lc, g)
         cuda.syncthreads()  # the tables
         while tn < tiles_n:
             tn_next = tn + cuda.gridDim.x
@@ -277,7 +279,7 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
     return gemv_iq2_xxs_imma_tiles
 
 
-def _sm_tiles_body(sign_alu: bool):
+def _sm_tiles_body(sign_alu: bool, subs: int):
     """The SM-wide build: one block of subs x WARPS warps an SM (subs <= SM_SUBS; 128-168
     registers a thread: the whole register file) sharing one set of SM_REPS table copies, a
     copy a lane, so that no lookup meets another in a bank ((k): 51% of the shared wavefronts
@@ -286,11 +288,20 @@ def _sm_tiles_body(sign_alu: bool):
     then every subs·gridDim.x-th, all sub-blocks the same number of rounds (a tile past the end
     reads the last rows and stores nothing) so that they meet at the block's barriers. The
     tables and the staged rows sit in dynamic shared memory (86 KB at 4 sub-blocks: over the
-    48 KB a static array may take)."""
+    48 KB a static array may take).
+
+    Set-up, before the tiles: the first stage's words are requested first; then thread t
+    loads table entry t once and writes its SM_REPS copies, lane l's k-th store at copy
+    (l + k) mod 32 so that a warp's stores meet no bank twice (Nsight, H100, 2026-12-07 (x): a
+    quarter of the samples were this set-up when every thread loaded and stored 32 words four
+    at a time, each load a constant-cache round trip, the first stage requested only after)."""
     tile_stages = _group_math(SM_REPS, sign_alu)[2]
     table_words = (256 if sign_alu else 384) * SM_REPS
     rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
     tables = _TABLES[:table_words // SM_REPS]
+    NT = 32 * WARPS * subs  # the block's threads
+    entries = table_words // SM_REPS
+    assert SM_REPS == 32 and entries <= NT, (SM_REPS, entries, NT)
 
     def gemv_iq2_xxs_imma_sm_tiles(out, qs, d, xq, xs, ids, nw):
         # grid (blocks, T): see _sm_tiles_body; WARPS warps a tile (blockDim = 32 WARPS subs;
@@ -304,25 +315,26 @@ def _sm_tiles_body(sign_alu: bool):
         sw = w - sub * nw  # the warp's place in its tile
         per_warp = G // STAGE // nw
         tiles_n = (N + ROWS - 1) // ROWS
-        subs = cuda.blockDim.x // (32 * nw)
         span = cuda.gridDim.x * subs  # tiles a round
         tab = cuda.shared.array(0, uint32)
         rows = cuda.shared.array(0, uint64)  # (the same bytes: the rows after the tables)
         red = cuda.shared.array((SM_WARPS, ROWS), float32)
         xch = cuda.shared.array(SM_XCH, uint64)
+        lr, lc = lane >> 3, lane & 7
+        pre = cuda.local.array(8, uint64)
+        dpre = cuda.local.array(4, float16)
+        tn = cuda.blockIdx.x * subs + sub
+        _load_stage(pre, dpre, qs, d, e, min(tn, tiles_n - 1) * ROWS, sw, N, lr, lc, g)
         consts = cuda.const.array_like(tables)
-        for i in range(t, table_words, cuda.blockDim.x):
-            tab[i] = consts[i // SM_REPS]
+        if t < entries:
+            v = consts[t]
+            for k in range(SM_REPS):
+                tab[t * SM_REPS + ((t + k) & (SM_REPS - 1))] = v
         lane_at = _shared_at(tab) + uint32(4 * lane)  # the lane's copy of the tables
         pick = uint32(0x4440 + c)
         shift = uint32(7 * c)
-        lr, lc = lane >> 3, lane & 7
         r0 = uint32(rows_at + (w * ROWS + g) * STAGE_LD)
         r8 = r0 + uint32(8 * STAGE_LD)
-        pre = cuda.local.array(8, uint64)
-        dpre = cuda.local.array(4, float32)
-        tn = cuda.blockIdx.x * subs + sub
-        _load_stage(pre, dpre, qs, d, e, min(tn, tiles_n - 1) * ROWS, sw, N, lr, lc, g)
         cuda.syncthreads()  # the tables
         while tn - sub < tiles_n:  # (the block's first tile: the same for all its warps)
             n_next = min(tn + span, tiles_n - 1) * ROWS if tn - sub + span < tiles_n else -1
@@ -348,10 +360,10 @@ def _load_stage(pre, dpre, qs, d, e, n0, stage, N, lr, lc, g):
     for i in range(4):
         pre[2 * i], pre[2 * i + 1] = _ld_u64x2(qs, e, min(n0 + lr + 4 * i, N - 1),
                                                stage * STAGE + 2 * lc)
-    dpre[0] = float32(d[e, min(n0 + g, N - 1), 2 * stage])
-    dpre[1] = float32(d[e, min(n0 + g + 8, N - 1), 2 * stage])
-    dpre[2] = float32(d[e, min(n0 + g, N - 1), 2 * stage + 1])
-    dpre[3] = float32(d[e, min(n0 + g + 8, N - 1), 2 * stage + 1])
+    dpre[0] = d[e, min(n0 + g, N - 1), 2 * stage]
+    dpre[1] = d[e, min(n0 + g + 8, N - 1), 2 * stage]
+    dpre[2] = d[e, min(n0 + g, N - 1), 2 * stage + 1]
+    dpre[3] = d[e, min(n0 + g + 8, N - 1), 2 * stage + 1]
 
 
 def x_imma_groups(xq, xs, x):
@@ -397,7 +409,8 @@ def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS):
     that one block fills the register file (128 a thread at 4, 8 bytes spilled; 168 at 3).
     ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
     assert 1 <= subs <= SM_SUBS
-    k = kernel(_sm_tiles_body(sign_alu), max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
+    k = kernel(_sm_tiles_body(sign_alu, subs),
+               max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
     k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_sm_tiles" + "".join(
         f"_{v}" for v, on in (("alu_signs", sign_alu), (f"subs{subs}", subs != SM_SUBS)) if on)
     k.smem, k.subs = sm_tiles_smem(sign_alu, subs), subs
