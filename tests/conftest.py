@@ -98,3 +98,16 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     """Keep the embedded model out of the user's real cache during tests (built once per run)."""
     cache = tmp_path_factory.getbasetemp() / "pocketfm-cache"
     monkeypatch.setenv("POCKETFM_CACHE", str(cache))
+
+
+@pytest.fixture(autouse=True)
+def _gemv_choice_restored():
+    """A simulator engine turns on gemv's thread-per-row preference for the whole process
+    (gemv.simulator_prefers_rows): restore it after every test, so that a kernel test that a
+    worker runs after an engine test still reaches the kernels it names (gemv(norm=) refuses
+    under the preference)."""
+    from pocketfm.kernels import gemv
+
+    before = gemv._sim_rows()
+    yield
+    gemv.simulator_prefers_rows(before)

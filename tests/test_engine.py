@@ -381,3 +381,14 @@ def test_the_sm_wide_routed_gate_up_changes_no_logit():
     for name in ("sm", "sm3", "sm3_alu"):
         for how in (0, 1):  # eager, replayed
             assert np.array_equal(logits[name][how], logits["default"][how]), (name, how)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the one-launch query)")
+def test_the_scorer_reading_q_fragments_changes_no_logit():
+    """DecodeEngine.scorer_q_fragments: the query's launch writes q's bf16 pairs in the
+    one-warp scorer's fragment order and the scorer loads them instead of staging q: the same
+    A registers, so the same logits bit for bit, eager and replayed."""
+    logits = _flash_4_layer_logits({"staged": dict(scorer_q_fragments=False),
+                                    "fragments": dict(scorer_q_fragments=True)}, graph=True)
+    for how in (0, 1):  # eager, replayed
+        assert np.array_equal(logits["fragments"][how], logits["staged"][how]), how

@@ -253,7 +253,8 @@ def _decode_variants() -> dict:
     indexer's weights on a branch of their own; out_a's weights prefetched into L2 beside the
     attention, by 8 blocks, and the next layer's q_a beside the MoE; the attention's combine
     with its splits over 4 thread groups; the indexer query in one launch; the routed gate+up's
-    SM-wide build of 3 tiles a block) or try a candidate (the
+    SM-wide build of 3 tiles a block) or try a candidate (the indexer scorer taking q's
+    fragments from the query's launch instead of staging q: not yet measured; the
     q_a norm folded on every layer: slower, the CSA layers' indexer path gets longer; the
     indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
@@ -317,7 +318,9 @@ def _decode_variants() -> dict:
             "the indexer query as a GEMV, then hadamard_fp4 (before)": dict(
                 idx_query_one_launch=False),
             "the routed gate+up SM-wide, 4 tiles a block (candidate)": dict(
-                imma_gate_up="sm")}
+                imma_gate_up="sm"),
+            "the indexer scorer reading q's fragments from the query's launch (candidate)": dict(
+                scorer_q_fragments=True)}
 
 
 def decode_variant_names(texts) -> list:

@@ -45,6 +45,7 @@ from ..kernels.gemv import (XLW, gemv, gemv_q8_0, limbs_kernel, q8_0_limbs,
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
+from ..kernels.indexer_warp import fits_warp
 from ..kernels.l2_prefetch import prefetch_l2
 from ..kernels.moe import MoEScratch, broadcast_rows, moe_layer
 from ..kernels.norm_rope import rmsnorm, rmsnorm_rope
@@ -254,6 +255,11 @@ class DecodeEngine:
         # 2026-12-06 (p)). H100, 30 layers, --decode-ab, one process: 6.230 against 6.297 ms
         # (BENCHMARKS 2026-12-07 (w))
         self.idx_query_one_launch = True
+        # candidate: that launch also writes q's bf16 pairs in the one-warp scorer's fragment
+        # order, which the scorer then loads straight into its registers instead of staging q
+        # through shared memory (its staging: 47% of its samples in the step, Nsight, H100,
+        # BENCHMARKS 2026-12-07 (x)). Not yet measured
+        self.scorer_q_fragments = False
         # the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
         # (kernels/imma_iq2_xxs.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
         # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j)): 10.257
@@ -272,7 +278,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        idx_query_one_launch, imma_gate_up, imma_down, hc_u_prefetch, hc_mix_prefetch,
+        idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
+        hc_mix_prefetch,
         hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
@@ -528,9 +535,14 @@ class DecodeEngine:
         nt, sim = self.nt, self.sim
         HI, DI = cfg.index_heads, cfg.index_dim
         x, norm = idx_x
+        frag = None  # q's fragments for the one-warp scorer, made by the one-launch query
         if self.idx_query_one_launch and not device.SIMULATOR and fits_indexer_query(
                 L.idx_q_b, DI):  # (the simulator's engine runs keep the naive kernels)
-            indexer_query(self.qi_rot, L.idx_q_b, x, norm, (self.pos, L.freqs), True, s)
+            if self.scorer_q_fragments and self.indexer_one_warp and fits_warp(HI, DI):
+                frag = device.stream_buffer("indexer q fragments", s, (HI * DI // 2,),
+                                            np.uint32)
+            indexer_query(self.qi_rot, L.idx_q_b, x, norm, (self.pos, L.freqs), True, s,
+                          frag=frag)
         else:
             gemv(self.qi.reshape(1, HI * DI), L.idx_q_b, x, None, s, threads=nt, norm=norm)
             hadamard_fp4(self.qi_rot, self.qi, True, stream=s, threads=nt,
@@ -551,7 +563,8 @@ class DecodeEngine:
             both = self.scorer_counts_first_digit and self.mem is None
             counted = indexer_scores(scores, q, w, c.index_keys, n, stream=s, threads=nt,
                                      q_fp4=self.indexer_one_warp,  # (hadamard_fp4's q)
-                                     top_k=(work, cfg.index_topk) if both else None)
+                                     top_k=(work, cfg.index_topk) if both else None,
+                                     q_frag=frag)
         if self.mem is not None:  # top-k inside the Memory Indexer's resident set
             self.mem.mask_scores(scores, s)
         # the picks in ascending order: attention sums them in list order, so a run repeats

@@ -325,18 +325,20 @@ def indexer_scores_chunk(out, q, w, keys_packed, n_visible, stream=0, threads=No
 
 
 def indexer_scores(out, q, w, keys_packed, n_visible, stream=0, threads=None,
-                   naive: bool = False, mma=None, q_fp4: bool = False, top_k=None) -> bool:
+                   naive: bool = False, mma=None, q_fp4: bool = False, top_k=None,
+                   q_frag=None) -> bool:
     """Decode form: out[N] f32 <- q[HI, DI], w[HI], keys_packed[Ncap, bytes], n_visible[1].
     ``q_fp4``: q is on the FP4 grid (hadamard_fp4's output), which lets one warp of the
     tensor-core scorer hold every head (indexer_warp.indexer_scores_warp). ``top_k`` = (work,
     k): the top-k to follow on these scores (its topk_workspace and k), whose first radix
     digit that kernel then counts. Returns whether it did: pass it on as topk's
-    ``first_digit_counted``."""
+    ``first_digit_counted``. ``q_frag``: q's fragments made ahead (indexer_query(frag=)), for
+    the one-warp scorer (ignored by the others)."""
     HI, DI = q.shape
     if q_fp4 and _use_mma(mma, naive, HI, DI) and indexer_warp.fits_warp(HI, DI):
         counted = top_k is not None and keys_packed.shape[0] >= out.shape[0]  # (the same n)
         indexer_warp.indexer_scores_warp(out, q, w, keys_packed, n_visible, stream,
-                                         first_digit=top_k if counted else None)
+                                         first_digit=top_k if counted else None, q_frag=q_frag)
         return counted
     if _use_mma(mma, naive, HI, DI):
         indexer_mma.indexer_scores_mma(out, q, w, keys_packed, n_visible, stream)

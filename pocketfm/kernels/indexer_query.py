@@ -14,12 +14,14 @@ The cost: only H blocks (64) read the weight.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from . import device
 from .bench import BenchCase
 from .device import warp_sum
 from .gemv import _TYPES, _Q8_0, _decode_shape, _dummies, _load_rows, _norm_x, gemv_ref
+from .indexer_warp import q_fragment_index_device
+from .mma import _split_pair
 from .norm_rope import rmsnorm_ref, rope_ref
 from .qat import FP4_BLOCK, MAX_DI, hadamard_fp4, hadamard_fp4_ref, rotate_block_vector
 from .qweight import QWeight
@@ -60,11 +62,12 @@ def fits(w: QWeight, DI: int, threads: int = THREADS, rows: int = ROWS_A_STEP) -
 _KERNELS: dict = {}
 
 
-def _query_kernel(qtype: int, NT: int, R: int, NORM: bool):
+def _query_kernel(qtype: int, NT: int, R: int, NORM: bool, FRAG: bool = False):
     """The kernel for weights of ``qtype``, NT threads, R rows a warp a step, x normalised by
-    the kernel (NORM) or taken as given. Arguments: (out [1, H, DI] f32, wq [1, H·DI, K/EPW]
-    words, x [1, K] f32, nw [K] f32, eps f32, pos [1] int32, freqs [P] f64, fp4 int32)."""
-    key = (qtype, NT, R, NORM)
+    the kernel (NORM) or taken as given; with FRAG the vector also goes out as the scorer's A
+    fragments. Arguments: (out [1, H, DI] f32, wq [1, H·DI, K/EPW] words, x [1, K] f32, nw [K]
+    f32, eps f32, pos [1] int32, freqs [P] f64, fp4 int32, frag [H·DI/2] uint32)."""
+    key = (qtype, NT, R, NORM, FRAG)
     if key in _KERNELS:
         return _KERNELS[key]
     ty = _TYPES[qtype]
@@ -75,7 +78,7 @@ def _query_kernel(qtype: int, NT: int, R: int, NORM: bool):
     N_W, N_XF = R * CPL * 4, CPL * EC
 
     @device.kernel
-    def _indexer_query(out, wq, x, nw, eps, pos, freqs, fp4):
+    def _indexer_query(out, wq, x, nw, eps, pos, freqs, fp4, frag):
         H, DI = out.shape[1], out.shape[2]
         K = x.shape[1]
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
@@ -113,32 +116,45 @@ def _query_kernel(qtype: int, NT: int, R: int, NORM: bool):
                 if lane == 0:
                     vals[warp * rw + s + i] = v
         cuda.syncthreads()
-        rotate_block_vector(out, 0, cuda.blockIdx.x, vals, fp4, pos, freqs)
+        h = cuda.blockIdx.x
+        rotate_block_vector(out, 0, h, vals, fp4, pos, freqs)
+        if FRAG:  # the head's bf16 pairs where the scorer's warps hold them (exact on FP4)
+            cuda.syncthreads()  # (the block's writes of out[0, h] before they are read back)
+            for p in range(cuda.threadIdx.x, DI // 2, NT):
+                frag[q_fragment_index_device(h, 2 * p, DI)] = _split_pair(out[0, h, 2 * p],
+                                                                   out[0, h, 2 * p + 1])[0]
 
     _KERNELS[key] = _indexer_query
     return _indexer_query
 
 
 def indexer_query(out, w: QWeight, x, norm=None, rope=None, fp4: bool = True, stream=0,
-                  threads: int | None = None, rows: int = ROWS_A_STEP) -> None:
+                  threads: int | None = None, rows: int = ROWS_A_STEP, frag=None) -> None:
     """out[1, H, DI] f32 <- FP4(Hadamard(RoPE(W · x̂))) per head (indexer_query_ref), one
     launch of H blocks; device arrays: x [1, K] f32, ``norm`` (nw [K] f32, eps) or None,
-    ``rope`` (pos [1] int32, freqs [P] float64) or None. ``fits`` must hold."""
+    ``rope`` (pos [1] int32, freqs [P] float64) or None. ``fits`` must hold. ``frag`` uint32
+    [H·DI/2]: also q's bf16 pairs in the one-warp scorer's fragment order
+    (indexer_warp.q_fragments_ref of out), for indexer_scores(q_frag=)."""
     nt = threads or THREADS
     _, H, DI = out.shape
     assert fits(w, DI, nt, rows) and w.rows == H * DI and x.shape == (1, w.cols), (w, out.shape)
+    assert frag is None or (frag.shape == (H * DI // 2,) and H % 16 == 0), (frag.shape, H, DI)
     nw, eps = norm if norm is not None else (_dummies()[2], 0.0)
     pos, freqs = rope or (device.empty_vector(np.int32), device.empty_vector(np.float64))
-    kern = _query_kernel(w.qtype, nt, rows, norm is not None)
-    kern[H, nt, stream](out, w.planes[0], x, nw, np.float32(eps), pos, freqs, np.int32(fp4))
+    kern = _query_kernel(w.qtype, nt, rows, norm is not None, frag is not None)
+    if frag is None:
+        frag = device.empty_vector(np.uint32)
+    kern[H, nt, stream](out, w.planes[0], x, nw, np.float32(eps), pos, freqs, np.int32(fp4),
+                        frag)
 
 
 # ---- CI lane B and benchmarks --------------------------------------------------------------------
 _SIG = ("void(float32[:, :, ::1], int32[:, :, ::1], float32[:, ::1], float32[::1], float32, "
-        "int32[::1], float64[::1], int32)")
-PTX_SIGNATURES = [(_query_kernel(ty.qtype, nt, ROWS_A_STEP, norm), _SIG)
+        "int32[::1], float64[::1], int32, uint32[::1])")
+PTX_SIGNATURES = [(_query_kernel(ty.qtype, nt, ROWS_A_STEP, norm, frag), _SIG)
                   for ty in (_TYPES[q] for q in _TYPES) if ty is not _Q8_0 and ty.epw == 2
-                  for nt in (256, 512) for norm in (True, False)]
+                  for nt in (256, 512) for norm in (True, False) for frag in (False, True)
+                  if nt == 256 or not frag]
 
 
 def bench_cases(stream) -> list[BenchCase]:

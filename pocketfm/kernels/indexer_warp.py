@@ -60,6 +60,34 @@ WARP_A_REGS = 128  # A registers a lane may hold (q's fragments)
 WARP_THREADS = 128  # a block: 4 warps (two blocks an SM at 250 registers: ptxas, sm_90)
 
 
+def q_fragment_index(h, d, DI):
+    """Where the bf16 pair of q[h, d], q[h, d + 1] (d even) sits among the A fragments a warp
+    holds (word r of lane l at r·32 + l): register r = 4(mt·S + s) + v of lane (g, c) holds
+    head 16 mt + g (+8 for odd v), dims 16 s + 4 c (+2 for v >= 2) and the next (S = DI / 16:
+    the k-steps; the m16n8k16 A layout)."""
+    mt, gl = h // 16, h % 16
+    s, rem = d // 16, d % 16
+    v = gl // 8 + 2 * ((rem % 4) // 2)
+    return (4 * (mt * (DI // 16) + s) + v) * 32 + 4 * (gl % 8) + rem // 4
+
+
+q_fragment_index_device = cuda.jit(device=True, inline="always")(q_fragment_index)
+
+
+def q_fragments_ref(q: np.ndarray) -> np.ndarray:
+    """uint32 [HI·DI/2]: q[HI, DI]'s bf16 pairs (round to nearest even; exact on the FP4 grid)
+    in fragment order (q_fragment_index): what the scorer stages, made ahead (the query's
+    kernel writes them: indexer_query(frag=))."""
+    HI, DI = q.shape
+    b = np.ascontiguousarray(q, np.float32).view(np.uint32).astype(np.uint64)
+    hi = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint32)  # bf16 bits of each value
+    out = np.empty(HI * DI // 2, np.uint32)
+    for h in range(HI):
+        for d in range(0, DI, 2):
+            out[q_fragment_index(h, d, DI)] = hi[h, d] | (hi[h, d + 1] << np.uint32(16))
+    return out
+
+
 def fits_warp(HI: int, DI: int) -> bool:
     """Whether one warp can hold every head's q fragments (and a key row is whole 32-bit
     words: the kernel reads codes and scales as words)."""
@@ -67,13 +95,18 @@ def fits_warp(HI: int, DI: int) -> bool:
             and kvpack.index_key_bytes(DI) % 4 == 0)
 
 
-def _warp_scorer(HI: int, DI: int, groups: int):
+def _warp_scorer(HI: int, DI: int, groups: int, frag: bool = False):
     """The one-warp decode kernel for HI heads of DI dims, ``groups`` 8-key MMA groups a warp a
-    step (closure constants: register arrays)."""
+    step (closure constants: register arrays). ``frag``: q comes also as its A fragments
+    (``qf``, q_fragments_ref's order, made by the query's kernel), loaded straight into the
+    registers, 128 independent loads a lane; else q is staged through shared memory, a few
+    words a round trip (Nsight, H100, in the step: 47% of this kernel's samples, 2026-12-07
+    (x))."""
     MT, S, NB = HI // 16, DI // 16, DI // 32  # m-tiles, k-steps, scale blocks
     NA = 4 * MT * S  # A registers a lane
     NC = 4 * MT  # C registers a lane (per accumulator)
     QF = 32 * NA  # q's fragments, every lane's
+    QS = 1 if frag else QF  # the staged copy's words (a literal for cuda.shared.array)
     SW = cdiv(NB, 4)  # scale words of a key
     SW0 = DI // 8  # the first of them: the scale bytes follow the DI/2 code bytes
     NK = groups * S  # key words a lane loads a step
@@ -95,11 +128,12 @@ def _warp_scorer(HI: int, DI: int, groups: int):
                 sw[2 * gi * SW + i] = uint32(keys32[ja, SW0 + i])
                 sw[(2 * gi + 1) * SW + i] = uint32(keys32[jb, SW0 + i])
 
-    def scores_warp(out, q, w, keys32, n_visible, hist, k):
+    def scores_warp(out, q, w, keys32, n_visible, hist, k, qf):
         # out [N], q [HI, DI] on the FP4 grid, w [HI], keys32 [Ncap, row words], n_visible [1];
         # hist int32 [>= FIRST_DIGIT_BINS] with k > 0: the top-k's first digit counted there
-        # (only when more than k keys are visible: topk takes them all otherwise). Persistent
-        # grid over steps of (warps x KPW) keys.
+        # (only when more than k keys are visible: topk takes them all otherwise); qf uint32
+        # [HI·DI/2], q's fragments (FRAG builds; else unread). Persistent grid over steps of
+        # (warps x KPW) keys.
         N = out.shape[0]
         n = min(int(n_visible[0]), N, keys32.shape[0])
         count = k > 0 and n > k  # (grid-uniform)
@@ -113,7 +147,7 @@ def _warp_scorer(HI: int, DI: int, groups: int):
         if st0 * step_keys < n:  # the first keys requested before q is staged
             load(kw, sw, keys32, st0 * step_keys + warp * KPW, n, g, c)
         tab = cuda.shared.array(256, uint32)  # byte -> bf16 pair (low nibble in the low half)
-        qf = cuda.shared.array(QF, uint32)  # q's A fragments: word i of lane l at i·32 + l
+        qs = cuda.shared.array(QS, uint32)  # q's A fragments, staged (not FRAG)
         ws = cuda.shared.array(HI, float32)
         hs = cuda.shared.array(FIRST_DIGIT_BINS, int32)  # this block's first-digit counts
         xch = cuda.shared.array(XCH, np.int64)
@@ -123,20 +157,25 @@ def _warp_scorer(HI: int, DI: int, groups: int):
         if count:
             for i in range(tid, FIRST_DIGIT_BINS, nt):
                 hs[i] = 0
-        for i in range(tid, QF, nt):
-            # register r = 4(mt·S + s) + v of lane (gl, cl): head 16mt + gl (+8 for odd v),
-            # dims 16s + 4cl (+2 for v >= 2) and the next
-            r, l = i >> 5, i & 31
-            v, ms = r & 3, r >> 2
-            h = 16 * (ms // S) + (l >> 2) + 8 * (v & 1)
-            d = 16 * (ms % S) + 4 * (l & 3) + 2 * (v >> 1)
-            qf[i] = _split_pair(q[h, d], q[h, d + 1])[0]  # exact: q is on the FP4 grid
+        qa = cuda.local.array(NA, uint32)
+        if frag:
+            for r in range(NA):
+                qa[r] = qf[r * 32 + lane]
+        else:
+            for i in range(tid, QF, nt):
+                # register r = 4(mt·S + s) + v of lane (gl, cl): head 16mt + gl (+8 for odd
+                # v), dims 16s + 4cl (+2 for v >= 2) and the next (q_fragment_index)
+                r, l = i >> 5, i & 31
+                v, ms = r & 3, r >> 2
+                h = 16 * (ms // S) + (l >> 2) + 8 * (v & 1)
+                d = 16 * (ms % S) + 4 * (l & 3) + 2 * (v >> 1)
+                qs[i] = _split_pair(q[h, d], q[h, d + 1])[0]  # exact: q is on the FP4 grid
         for i in range(tid, HI, nt):
             ws[i] = w[i]
         cuda.syncthreads()
-        qa = cuda.local.array(NA, uint32)
-        for r in range(NA):
-            qa[r] = qf[r * 32 + lane]
+        if not frag:
+            for r in range(NA):
+                qa[r] = qs[r * 32 + lane]
         zero = float32(0.0)
         half = uint32(16 * (c & 1))
         nkw = cuda.local.array(NK, uint32)
@@ -204,7 +243,7 @@ def _warp_scorer(HI: int, DI: int, groups: int):
             for i in range(tid, FIRST_DIGIT_BINS, nt):
                 if hs[i] > 0:
                     cuda.atomic.add(hist, i, hs[i])
-    name = f"_indexer_scores_warp_hi{HI}_di{DI}_g{groups}"
+    name = f"_indexer_scores_warp_hi{HI}_di{DI}_g{groups}" + ("_qfrag" if frag else "")
     scores_warp.__name__ = scores_warp.__qualname__ = name  # (the qualname: debug line info)
     return kernel(scores_warp)
 
@@ -212,31 +251,36 @@ def _warp_scorer(HI: int, DI: int, groups: int):
 _WARP_KERNELS: dict = {}
 
 
-def _warp_kernel(HI: int, DI: int, groups: int = WARP_GROUPS):
-    if (HI, DI, groups) not in _WARP_KERNELS:
-        _WARP_KERNELS[HI, DI, groups] = _warp_scorer(HI, DI, groups)
-    return _WARP_KERNELS[HI, DI, groups]
+def _warp_kernel(HI: int, DI: int, groups: int = WARP_GROUPS, frag: bool = False):
+    if (HI, DI, groups, frag) not in _WARP_KERNELS:
+        _WARP_KERNELS[HI, DI, groups, frag] = _warp_scorer(HI, DI, groups, frag)
+    return _WARP_KERNELS[HI, DI, groups, frag]
 
 
-_NO_HIST = []  # a 1-element int32 stand-in for ``hist`` (made once)
+_NO_HIST = []  # 1-element stand-ins for ``hist`` (int32) and ``qf`` (uint32), made once
 
 
 def indexer_scores_warp(out, q, w, keys_packed, n_visible, stream=0,
                         threads: int = WARP_THREADS, groups: int = WARP_GROUPS,
-                        first_digit=None) -> None:
+                        first_digit=None, q_frag=None) -> None:
     """Decode form (as indexer_scores_mma) for q on the FP4 grid (hadamard_fp4's output), one
     warp holding every head: fits_warp(HI, DI) must hold. ``first_digit`` = (workspace, k):
-    also count the top-k's first digit into that topk_workspace (see above). ``threads`` /
-    ``groups``: the block and the 8-key groups a warp takes a step (benchmarks)."""
+    also count the top-k's first digit into that topk_workspace (see above). ``q_frag``: q's
+    fragments as q_fragments_ref makes them (uint32 [HI·DI/2], indexer_query(frag=)), read
+    instead of staging q. ``threads`` / ``groups``: the block and the 8-key groups a warp
+    takes a step (benchmarks)."""
     HI, DI = q.shape
     assert fits_warp(HI, DI), (HI, DI)
-    kern = _warp_kernel(HI, DI, groups)
+    assert q_frag is None or q_frag.shape == (HI * DI // 2,), (q_frag.shape, HI, DI)
+    kern = _warp_kernel(HI, DI, groups, q_frag is not None)
+    if not _NO_HIST:
+        _NO_HIST.append(cuda.to_device(np.zeros(1, np.int32)))
+        _NO_HIST.append(cuda.to_device(np.zeros(1, np.uint32)))
     if first_digit is None:
-        if not _NO_HIST:
-            _NO_HIST.append(cuda.to_device(np.zeros(1, np.int32)))
         first_digit = (_NO_HIST[0], 0)
     hist, k = first_digit
-    args = (out, q, w, keys_packed.view(np.uint32), n_visible, hist, int(k))
+    args = (out, q, w, keys_packed.view(np.uint32), n_visible, hist, int(k),
+            _NO_HIST[1] if q_frag is None else q_frag)
     step_keys = threads // 32 * 8 * groups
     grid = max(1, min(cdiv(out.shape[0], step_keys), resident_blocks(kern, args, threads)))
     kern[grid, threads, stream](*args)
@@ -244,7 +288,8 @@ def indexer_scores_warp(out, q, w, keys_packed, n_visible, stream=0,
 
 # CI lane B compiles both at V4's geometry
 PTX_SIGNATURES = [
-    (_warp_kernel(64, 128, groups), "void(float32[::1], float32[:, ::1], float32[::1], "
-                                    "uint32[:, ::1], int32[::1], int32[::1], int64)")
-    for groups in (1, 2)
+    (_warp_kernel(64, 128, groups, frag), "void(float32[::1], float32[:, ::1], float32[::1], "
+                                          "uint32[:, ::1], int32[::1], int32[::1], int64, "
+                                          "uint32[::1])")
+    for groups in (1, 2) for frag in (False, True)
 ]

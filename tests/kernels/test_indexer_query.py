@@ -85,3 +85,25 @@ def test_indexer_query_at_v4_shape():
         out = poisoned((1, Hv, DIv))
         iq.indexer_query(out, wd, x, (nw, 1e-6), r, True, threads=nt)
         assert np.array_equal(out.copy_to_host(), two.copy_to_host()), nt
+
+
+def test_indexer_query_writes_the_scorers_fragments():
+    """indexer_query(frag=) also writes q's bf16 pairs where the one-warp scorer's lanes hold
+    them (indexer_warp.q_fragments_ref of its own output, bit for bit), and the same q."""
+    from pocketfm.kernels import indexer_warp
+
+    rng = fresh_rng()
+    Hf, K = 16, 128
+    raw = rng.normal(size=(Hf * DI, K)) * 0.1
+    w = gemv.pack_f16(raw.astype(np.float16), Hf * DI, K).to_device()
+    x = cuda.to_device(rng.normal(size=(1, K)).astype(np.float32))
+    nw = cuda.to_device(rng.uniform(0.5, 1.5, size=K).astype(np.float32))
+    r = (cuda.to_device(np.array([int(rng.integers(0, 1 << 18))], np.int32)),
+         cuda.to_device(rope_frequencies(DI // 2, 160000.0, 16.0, 65536)))
+    out, plain = poisoned((1, Hf, DI)), poisoned((1, Hf, DI))
+    frag = cuda.to_device(np.full(Hf * DI // 2, 0xDEADBEEF, np.uint32))
+    iq.indexer_query(out, w, x, (nw, 1e-6), r, True, threads=64, frag=frag)
+    iq.indexer_query(plain, w, x, (nw, 1e-6), r, True, threads=64)
+    got = out.copy_to_host()
+    assert np.array_equal(got, plain.copy_to_host())
+    assert np.array_equal(frag.copy_to_host(), indexer_warp.q_fragments_ref(got[0]))

@@ -71,6 +71,33 @@ def test_scorer_counts_the_top_ks_first_digit(n, k):
         assert not work.copy_to_host()[:ix._WS_GT].any()  # the three histograms cleared
 
 
+def test_q_fragment_index_places_every_pair_once():
+    for HI, DI in ((16, 64), (64, 128)):
+        at = [indexer_warp.q_fragment_index(h, d, DI) for h in range(HI) for d in range(0, DI, 2)]
+        assert sorted(at) == list(range(HI * DI // 2))
+
+
+@pytest.mark.parametrize("n,k", [(261, 24), (0, 24)])
+def test_scorer_reads_q_fragments_made_ahead(n, k):
+    """indexer_scores(q_frag=q_fragments_ref(q)): the same scores bit for bit, and the same
+    first-digit counts, as the scorer staging q itself."""
+    rng = fresh_rng()
+    HI, DI, ncap, N = 32, 128, 300, 290
+    keys = cuda.to_device(ix.random_packed_keys(rng, ncap, DI))
+    q = _fp4_spread(rng, (1, HI, DI))[0]
+    w = cuda.to_device(rng.normal(size=HI).astype(np.float32))
+    nv = cuda.to_device(np.array([n], np.int32))
+    got = []
+    for frag in (None, cuda.to_device(indexer_warp.q_fragments_ref(q))):
+        work = ix.topk_workspace()
+        scores = poisoned(N)
+        ix.indexer_scores(scores, cuda.to_device(q), w, keys, nv, mma=True, q_fp4=True,
+                          top_k=(work, k), q_frag=frag)
+        got.append((scores.copy_to_host(), work.copy_to_host()))
+    assert np.array_equal(got[0][0].view(np.uint32), got[1][0].view(np.uint32))
+    assert np.array_equal(got[0][1], got[1][1])
+
+
 def test_fits_warp():
     assert indexer_warp.fits_warp(64, 128) and indexer_warp.fits_warp(16, 256)
     assert not indexer_warp.fits_warp(128, 128)  # 256 A registers a lane
