@@ -106,10 +106,10 @@ def _odd_scaled(v, w):
 
 
 def _group_math(reps: int, sign_alu: bool, quad: bool = False):
-    """(grid_row_codes, super_block, tile_stages) for ``reps`` copies of the tables in shared
-    memory, the signs from the sign table or (``sign_alu``) by _signs_by_multiplies; with
-    ``quad`` each lane scales one group in four (its sums are a quarter of the row's: the
-    caller adds the quad's)."""
+    """The stage loop both GEMV bodies run (tile_stages, on grid_row_codes and super_block) for
+    ``reps`` copies of the tables in shared memory, the signs from the sign table or
+    (``sign_alu``) by _signs_by_multiplies; with ``quad`` each lane scales one group in four
+    (its sums are a quarter of the row's: the caller adds the quad's)."""
     signs_at = 256 * reps  # where the sign table's copies start (uint32 words)
     at = (4 * reps).bit_length() - 1  # log2 of a table entry's bytes over the copies
     assert 4 * reps == 1 << at, reps
@@ -224,13 +224,13 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False):
             acc0 += s0 * d0b
             acc1 += s1 * d8b
         return acc0, acc1
-    return grid_row_codes, super_block, tile_stages
+    return tile_stages
 
 
 def _tiles_body(reps: int, sign_alu: bool, quad: bool):
     """The GEMV kernel's function for ``reps`` table copies, the signs by table or multiplies,
     each group scaled on every lane of a quad or (``quad``) on one."""
-    tile_stages = _group_math(reps, sign_alu, quad)[2]
+    tile_stages = _group_math(reps, sign_alu, quad)
     table_words = (256 if sign_alu else 384) * reps  # the code (and sign) tables' copies
     tables = _TABLES[:table_words // reps]
 
@@ -295,7 +295,7 @@ def _sm_tiles_body(sign_alu: bool, subs: int):
     (l + k) mod 32 so that a warp's stores meet no bank twice (Nsight, H100, 2026-12-07 (x): a
     quarter of the samples were this set-up when every thread loaded and stored 32 words four
     at a time, each load a constant-cache round trip, the first stage requested only after)."""
-    tile_stages = _group_math(SM_REPS, sign_alu)[2]
+    tile_stages = _group_math(SM_REPS, sign_alu)
     table_words = (256 if sign_alu else 384) * SM_REPS
     rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
     tables = _TABLES[:table_words // SM_REPS]

@@ -23,7 +23,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from . import kvpack
-from .device import cdiv, kernel, resident_blocks, xor_shfl
+from .device import cdiv, empty_vector, kernel, resident_blocks, xor_shfl
 from .gemv import _bits_f32
 from .indexer_mma import SHF, XCH, _e2m1_bf16
 from .lowbit_layout import _f32_bits
@@ -257,7 +257,7 @@ def _warp_kernel(HI: int, DI: int, groups: int = WARP_GROUPS, frag: bool = False
     return _WARP_KERNELS[HI, DI, groups, frag]
 
 
-_NO_HIST = []  # 1-element stand-ins for ``hist`` (int32) and ``qf`` (uint32), made once
+_NO_HIST = []  # a 1-element int32 stand-in for ``hist`` (made once)
 
 
 def indexer_scores_warp(out, q, w, keys_packed, n_visible, stream=0,
@@ -273,14 +273,13 @@ def indexer_scores_warp(out, q, w, keys_packed, n_visible, stream=0,
     assert fits_warp(HI, DI), (HI, DI)
     assert q_frag is None or q_frag.shape == (HI * DI // 2,), (q_frag.shape, HI, DI)
     kern = _warp_kernel(HI, DI, groups, q_frag is not None)
-    if not _NO_HIST:
-        _NO_HIST.append(cuda.to_device(np.zeros(1, np.int32)))
-        _NO_HIST.append(cuda.to_device(np.zeros(1, np.uint32)))
     if first_digit is None:
+        if not _NO_HIST:
+            _NO_HIST.append(cuda.to_device(np.zeros(1, np.int32)))
         first_digit = (_NO_HIST[0], 0)
     hist, k = first_digit
     args = (out, q, w, keys_packed.view(np.uint32), n_visible, hist, int(k),
-            _NO_HIST[1] if q_frag is None else q_frag)
+            empty_vector(np.uint32) if q_frag is None else q_frag)
     step_keys = threads // 32 * 8 * groups
     grid = max(1, min(cdiv(out.shape[0], step_keys), resident_blocks(kern, args, threads)))
     kern[grid, threads, stream](*args)
