@@ -392,3 +392,16 @@ def test_the_scorer_reading_q_fragments_changes_no_logit():
                                     "fragments": dict(scorer_q_fragments=True)}, graph=True)
     for how in (0, 1):  # eager, replayed
         assert np.array_equal(logits["fragments"][how], logits["staged"][how]), how
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the split attention)")
+@pytest.mark.parametrize("layers, bound", [(1, 1e-5), (4, 5e-3)])
+def test_the_head_warp_attention_changes_the_logits_by_rounding_only(layers, bound):
+    """DecodeEngine.attn_head_warps: the CSA and window-only layers' split attention with one
+    head a warp over 32-slot tiles (each split's sum of exps a warp reduction, not a running
+    sum): the same softmax in another order, so the logits agree to rounding (one layer:
+    window-only), amplified over 4 layers by the next layers' picks as for imma above."""
+    logits = _flash_4_layer_logits({"two heads": dict(attn_head_warps=False),
+                                    "one head": dict(attn_head_warps=True)}, layers)
+    assert _rel(logits["one head"], logits["two heads"]) <= bound
+    assert not np.array_equal(logits["one head"], logits["two heads"])  # (each ran)

@@ -199,6 +199,11 @@ class DecodeEngine:
         # time. attn_split_tiles: its least tiles a split (None: attention.SPLIT_TILES)
         self.attn_prefetch = True
         self.attn_split_tiles = None
+        # candidate: that split attention with one head a warp over 32-slot tiles, 512 threads a
+        # block (attention._head_warp_kernel): a warp's serial chain, which sets the kernel's
+        # ~20 µs whatever the keys (Nsight, H100, BENCHMARKS 2026-12-07 (x)), about a third.
+        # Not yet measured
+        self.attn_head_warps = False
         # HCA's tensor-core split attention moving q and its partials through shared memory in
         # coalesced runs, the CUDA-core one (CSA, window-only) its partials (attention_decode
         # staged; False: straight between registers and memory); attn_mma_tiles: the tensor-core
@@ -281,7 +286,8 @@ class DecodeEngine:
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
         hc_mix_prefetch,
         hc_u_gram, moe_parts,
-        attn_prefetch, attn_split_tiles, attn_staged, attn_mma_tiles, attn_combine_groups,
+        attn_prefetch, attn_split_tiles, attn_head_warps, attn_staged, attn_mma_tiles,
+        attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
         l2_prefetch_blocks, l2_prefetch_next)
         set while inside, as they were after it; the step is captured anew under each (an A/B
@@ -478,7 +484,8 @@ class DecodeEngine:
                          every, L.sinks, scale, stream=s, threads=nt, out_rope=back, limbs=xo,
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
                          staged=self.attn_staged, tiles_per_split=self.attn_mma_tiles,
-                         combine_groups=self.attn_combine_groups, **sim)
+                         combine_groups=self.attn_combine_groups,
+                         head_warps=self.attn_head_warps, **sim)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:

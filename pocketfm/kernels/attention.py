@@ -236,11 +236,11 @@ def _dim(i, lane):
 
 
 @_inline
-def _fetch(win, comp, kcode, it, KW, NOPE, R):
-    """(packed word, word holding its FP8 block's scale) of decode item ``it`` of a tile:
-    word it % KW of the tile's key it // KW. Branch-free (clamped to a valid row and item), so
-    several fetches issue back to back; _put skips the clamped ones."""
-    itc = min(it, KC * KW - 1)
+def _fetch(win, comp, kcode, it, KW, NOPE, R, NK):
+    """(packed word, word holding its FP8 block's scale) of decode item ``it`` of a tile of NK
+    keys: word it % KW of the tile's key it // KW. Branch-free (clamped to a valid row and
+    item), so several fetches issue back to back; _put skips the clamped ones."""
+    itc = min(it, NK * KW - 1)
     kk = itc // KW
     wd = itc - kk * KW
     code = max(kcode[kk], 0)
@@ -250,22 +250,30 @@ def _fetch(win, comp, kcode, it, KW, NOPE, R):
 
 
 @_inline
-def _put(smem, smem_u, kcode, it, word, sword, K, KW, NOPE):
-    """Decode item ``it`` (see _fetch) into the tile ks[kk][K] in shared memory."""
-    if it >= KC * KW:
+def _put(smem, smem_u, kcode, it, word, sword, K, KW, NOPE, NK):
+    """Decode item ``it`` (see _fetch) into the tile ks[kk][K] of NK keys in shared memory."""
+    if it >= NK * KW:
         return
     kk = it // KW
     wd = it - kk * KW
     nfp8 = NOPE // 4
+    o = kk * K + (4 * wd if wd < nfp8 else NOPE + 2 * (wd - nfp8))
+    _store_word(smem, smem_u, o, wd < nfp8, kcode[kk] < 0, word, sword)
+
+
+@_inline
+def _store_word(smem, smem_u, o, fp8, empty, word, sword):
+    """A packed word into the tile at float offset o: 4 FP8 codes (``fp8``; scale byte: the
+    low byte of ``sword``) or 2 bf16 dims, or zeros where the slot is ``empty``."""
     # uint64 offsets: the 4 (or 2) stores below merge into one 128-bit (64-bit) shared store
-    o = uint64(kk * K + (4 * wd if wd < nfp8 else NOPE + 2 * (wd - nfp8)))
-    if kcode[kk] < 0:  # no key in this slot: zeros (the score is masked to -inf anyway)
+    o = uint64(o)
+    if empty:  # no key in this slot: zeros (the score is masked to -inf anyway)
         smem_u[o] = 0
         smem_u[o + uint64(1)] = 0
-        if wd < nfp8:
+        if fp8:
             smem_u[o + uint64(2)] = 0
             smem_u[o + uint64(3)] = 0
-    elif wd < nfp8:
+    elif fp8:
         # e4m3 = mant · 2**-10 with mant = (8 + m) << e (e > 0) or 2m (subnormal): exact in
         # float32, then one multiply by the block scale 2**(s - 127)
         c = float32(math.ldexp(float32(1.0), (sword & 255) - 137))
@@ -439,19 +447,20 @@ def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True, staged: bool =
             _init_heads(qr, acc, mr, lr, q, h0, lane, scale, ND)
             cuda.syncthreads()
             for j in range(NI):
-                wb[j], sb[j] = _fetch(win, comp, kcode, tid + j * NT, KW, NOPE, R)
+                wb[j], sb[j] = _fetch(win, comp, kcode, tid + j * NT, KW, NOPE, R, KC)
             cur = 0
             for t0 in range(s0, s1, KC):
                 cw = kcode[cur * KC:]
                 for j in range(NI):
-                    _put(smem, smem_u, cw, tid + j * NT, int(wb[j]), int(sb[j]), K, KW, NOPE)
+                    _put(smem, smem_u, cw, tid + j * NT, int(wb[j]), int(sb[j]), K, KW, NOPE,
+                         KC)
                 nw = kcode[(1 - cur) * KC:]
                 if tid < KC:
                     nw[tid] = _slot_code(t0 + KC + tid, s1, W, nwin, all_visible, sel, ncap)
                 cuda.syncthreads()
                 if t0 + KC < s1:  # the next tile's words load while this one is scored
                     for j in range(NI):
-                        wb[j], sb[j] = _fetch(win, comp, nw, tid + j * NT, KW, NOPE, R)
+                        wb[j], sb[j] = _fetch(win, comp, nw, tid + j * NT, KW, NOPE, R, KC)
                 _tile_softmax(smem, cw, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
                 cur = 1 - cur
         else:
@@ -463,14 +472,14 @@ def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True, staged: bool =
                 # decode the tile, one packed word (4 FP8 codes or 2 bf16 dims) per item; each
                 # thread fetches four items before decoding any (four L2 round trips overlap)
                 for it in range(tid, KC * KW, 4 * NT):
-                    w0, x0 = _fetch(win, comp, kcode, it, KW, NOPE, R)
-                    w1, x1 = _fetch(win, comp, kcode, it + NT, KW, NOPE, R)
-                    w2, x2 = _fetch(win, comp, kcode, it + 2 * NT, KW, NOPE, R)
-                    w3, x3 = _fetch(win, comp, kcode, it + 3 * NT, KW, NOPE, R)
-                    _put(smem, smem_u, kcode, it, w0, x0, K, KW, NOPE)
-                    _put(smem, smem_u, kcode, it + NT, w1, x1, K, KW, NOPE)
-                    _put(smem, smem_u, kcode, it + 2 * NT, w2, x2, K, KW, NOPE)
-                    _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE)
+                    w0, x0 = _fetch(win, comp, kcode, it, KW, NOPE, R, KC)
+                    w1, x1 = _fetch(win, comp, kcode, it + NT, KW, NOPE, R, KC)
+                    w2, x2 = _fetch(win, comp, kcode, it + 2 * NT, KW, NOPE, R, KC)
+                    w3, x3 = _fetch(win, comp, kcode, it + 3 * NT, KW, NOPE, R, KC)
+                    _put(smem, smem_u, kcode, it, w0, x0, K, KW, NOPE, KC)
+                    _put(smem, smem_u, kcode, it + NT, w1, x1, K, KW, NOPE, KC)
+                    _put(smem, smem_u, kcode, it + 2 * NT, w2, x2, K, KW, NOPE, KC)
+                    _put(smem, smem_u, kcode, it + 3 * NT, w3, x3, K, KW, NOPE, KC)
                 cuda.syncthreads()
                 _tile_softmax(smem, kcode, qr, kv, v, acc, mr, lr, lane, wid, K, ND, SC, XS)
         b = cuda.blockIdx.x
@@ -497,6 +506,192 @@ def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True, staged: bool =
     smem_bytes = 4 * (XS + (NWARP * 32 * 33 if device.SIMULATOR else 0))
     _SPLITS[key] = (_attention_decode_split_tiles, smem_bytes)
     return _SPLITS[key]
+
+
+# ---- decode: one head a warp, 32-key tiles (candidate) ----------------------------------------
+KH = 32  # the head-warp kernel's keys a tile: after the lane sums, lane l holds key l's score
+KH2 = 2 * KH
+HEAD_WARP_REGS = 128  # its registers: a block of 512 threads an SM (ptxas: 12 bytes spilled)
+MAX_HEAD_ITEMS = 144  # its packed words a thread decodes a tile, at most (KW / TPK; V4 at
+# 512 threads: 9 in registers)
+_HEAD_WARPS: dict = {}
+
+
+if device.SIMULATOR:
+    @_inline
+    def _warp_sync():
+        cuda.syncthreads()  # (the simulator's threads of a warp are not in lockstep)
+else:
+    @_inline
+    def _warp_sync():
+        cuda.syncwarp(0xFFFFFFFF)
+
+
+@_inline
+def _head_scores8(smem, kb, qr, kv, v, k0, K, ND):
+    """v[k0 + u] = this lane's part of q · key k0 + u for u = 0 .. 7 (its ND dims)."""
+    for u in range(8):
+        b = kb + uint64((k0 + u) * K)
+        for i in range(DPL):
+            kv[i] = smem[b + uint64(_dim(i, 0))] if i < ND else float32(0.0)
+        s = float32(0.0)
+        for i in range(DPL):
+            s += qr[i] * kv[i]
+        v[k0 + u] = s
+
+
+@_inline
+def _head_tile(smem, kcode, nk, qr, kv, v, acc, m, l, lane, wid, red, K, ND, PS, XS):
+    """A decoded tile of KH keys into this warp's one head: the lane sums leave key l's score
+    on lane l, so the tile's max and sum are two warp reductions and each lane takes one exp
+    (p of its key, through shared memory to every lane for P·V). -> (m, l) after the tile.
+    Called by every thread of the block with a live tile (a key in it)."""
+    kb = uint64(lane * 4)
+    _head_scores8(smem, kb, qr, kv, v, 0, K, ND)  # four calls: v's indices stay literal
+    _head_scores8(smem, kb, qr, kv, v, 8, K, ND)
+    _head_scores8(smem, kb, qr, kv, v, 16, K, ND)
+    _head_scores8(smem, kb, qr, kv, v, 24, K, ND)
+    s = _lane_sums(v, lane, smem[XS + wid * 32 * 33:])
+    s = s if kcode[lane] >= 0 else float32(-math.inf)
+    mt = max(m, device.warp_max(s, red))  # finite: the tile has a key
+    alpha = float32(math.exp(m - mt))  # first live tile: exp(-inf) = 0
+    p = float32(math.exp(s - mt))
+    l = l * alpha + device.warp_sum(p, red)
+    for i in range(DPL):
+        acc[i] *= alpha
+    smem[PS + wid * 32 + lane] = p
+    _warp_sync()
+    for kk in range(nk):  # (a loop, not unrolled: 32 keys' loads hoisted would spill)
+        pk = smem[PS + wid * 32 + kk]
+        b = uint64(kk * K + lane * 4)
+        for i in range(DPL):
+            kv[i] = smem[b + uint64(_dim(i, 0))] if i < ND else float32(0.0)
+        for i in range(DPL):
+            acc[i] += pk * kv[i]
+    return mt, l
+
+
+
+@_inline
+def _fetch_key(wb, sb, win, comp, code, w0, TPK, NI, NF, SB):
+    """wb[j] <- word w0 + TPK·j of the entry that ``code`` names (2·row window, 2·row + 1
+    compressed; < 0: window row 0, stored as zeros), sb[j] <- its FP8 block's scale byte
+    (j < NF; SB: the first scale's byte). All at once: NI + NF loads in flight."""
+    c = max(code, 0)
+    src = comp if c & 1 else win
+    row = c >> 1
+    for j in range(NI):
+        wb[j] = src[row, w0 + TPK * j]
+    for j in range(NF):
+        b = SB + TPK * j // 16  # (w0 < TPK, a divisor of 16: its word's block)
+        sb[j] = src[row, b // 4] >> (8 * (b % 4))
+
+
+def _head_warp_kernel(K: int, R: int, NT: int):
+    """(kernel, dynamic shared bytes): the split kernel with one head a warp and KH-key tiles,
+    NT threads a block (NT / 32 heads). The split kernel's warp holds two heads over 16-key
+    tiles and runs ~7,600 instructions in a row at ~4 cycles each whatever the keys (Nsight,
+    H100, 2026-12-07 (x)): here a warp's chain for CSA's 32-slot split is one tile of half
+    the heads, with one exp a lane instead of one a key and head, and twice the warps an SM
+    hide each other's latency. The tile's words are loaded a tile ahead (registers), as the
+    split kernel's prefetch; the partials leave through the tile's shared memory."""
+    key = (K, R, NT)
+    if key in _HEAD_WARPS:
+        return _HEAD_WARPS[key]
+    if K % 128 or K > 32 * DPL or (K - R) % 64 or R % 32 or NT not in (32, 64, 128, 256, 512):
+        raise ValueError(f"attention_decode: no head-warp layout for K={K}, R={R}, threads={NT}")
+    ND = K // 32  # dims per lane: see _dim
+    NOPE = K - R
+    NFP8 = NOPE // 4  # words of FP8 codes, then R/2 words of bf16 pairs, then the scales
+    KW = NFP8 + R // 2
+    # the tile's words: TPK threads a key (a divisor of 16), thread t word t % TPK + TPK·j of
+    # key t // TPK, FP8 for j < NF: every index but the row's is a constant of j, so nothing
+    # per item stays live in registers across the tile's math (the split kernel's items,
+    # spread over keys, made ptxas keep each one's offsets and spill at 128 registers)
+    TPK = NT // KH
+    NI = KW // TPK
+    NF = NFP8 // TPK
+    SB = NOPE + 2 * R  # the byte of the first FP8 block's scale (64 dims a block)
+    NWARP = NT // 32
+    PS = KH * K  # per warp: its tile's 32 probabilities
+    XS = PS + NWARP * 32  # (simulator only) per warp: the [32][33] transpose of _lane_sums
+    RED = NT if device.SIMULATOR else 1  # (the simulator's warp reductions)
+
+    @device.kernel(max_registers=HEAD_WARP_REGS)
+    def _attention_decode_head_warps(part, q, win, n_window, comp, sel, n_comp, all_visible,
+                                     scale):
+        """part[P, H, K+2] <- (Σ p·k, max, sum) of split blockIdx.x for heads blockIdx.y ·
+        NWARP + warp: as _attention_decode_split_tiles, a warp one head and lane l its dims
+        _dim(i, l), the tiles KH key slots."""
+        smem = cuda.shared.array(0, float32, alignment=_ALIGN)
+        smem_u = cuda.shared.array(0, uint32, alignment=_ALIGN)  # same bytes: bf16 bit moves
+        kcode = cuda.shared.array(KH2, int32)  # this tile's slot codes and the next one's
+        red = cuda.shared.array(RED, float32)
+        H = q.shape[0]
+        W = win.shape[0]
+        ncap = comp.shape[0]
+        P = part.shape[0]
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        wid = tid >> 5
+        h = cuda.blockIdx.y * NWARP + wid
+        qr = cuda.local.array(DPL, float32)
+        acc = cuda.local.array(DPL, float32)
+        kv = cuda.local.array(DPL, float32)
+        v = cuda.local.array(32, float32)
+        wb = cuda.local.array(MAX_HEAD_ITEMS, uint32)  # a tile's words, loaded a tile ahead,
+        sb = cuda.local.array(MAX_HEAD_ITEMS, uint32)  # and their FP8 scales (low byte)
+        kk = tid // TPK  # this thread's key of a tile, and its first word
+        w0 = tid - kk * TPK
+        nwin = min(int(n_window[0]), W)
+        slots = ncap if all_visible else sel.shape[0]
+        per = ((W + slots + P - 1) // P + KH - 1) // KH * KH  # whole tiles per split
+        s0 = cuda.blockIdx.x * per
+        s1 = min(s0 + per, W + (min(int(n_comp[0]), ncap) if all_visible else slots))
+        if tid < KH:
+            kcode[tid] = _slot_code(s0 + tid, s1, W, nwin, all_visible, sel, ncap)
+        for i in range(DPL):
+            ok = h < H and i < ND
+            qr[i] = q[h, _dim(i, lane)] * scale if ok else float32(0.0)
+            acc[i] = float32(0.0)
+        m = float32(-math.inf)
+        l = float32(0.0)
+        cuda.syncthreads()
+        _fetch_key(wb, sb, win, comp, kcode[kk], w0, TPK, NI, NF, SB)
+        cur = 0
+        for t0 in range(s0, s1, KH):
+            cw = kcode[cur * KH:]
+            empty = cw[kk] < 0
+            for j in range(NI):
+                o = kk * K + (4 * (w0 + TPK * j) if j < NF else NOPE + 2 * (w0 + TPK * (j - NF)))
+                _store_word(smem, smem_u, o, j < NF, empty, int(wb[j]), int(sb[j]))
+            nw = kcode[(1 - cur) * KH:]
+            if tid < KH:
+                nw[tid] = _slot_code(t0 + KH + tid, s1, W, nwin, all_visible, sel, ncap)
+            # the barrier after the tile's stores, and whether it has a key (block-uniform)
+            live = cuda.syncthreads_or(1 if tid < KH and cw[tid] >= 0 else 0)
+            if t0 + KH < s1:  # the next tile's words load while this one is scored
+                _fetch_key(wb, sb, win, comp, nw[kk], w0, TPK, NI, NF, SB)
+            if live:
+                m, l = _head_tile(smem, cw, min(KH, s1 - t0), qr, kv, v, acc, m, l, lane,
+                                  wid, red, K, ND, PS, XS)
+            cuda.syncthreads()  # the tile is read: the next one may overwrite it
+            cur = 1 - cur
+        b = cuda.blockIdx.x
+        row = wid * K  # (NWARP <= KH rows: the tile's shared memory holds the block's heads)
+        for i in range(ND):
+            smem[row + _dim(i, lane)] = acc[i]
+        cuda.syncthreads()
+        if h < H:
+            for j in range(ND):
+                part[b, h, lane + 32 * j] = smem[row + lane + 32 * j]
+            if lane == 0:
+                part[b, h, K] = m
+                part[b, h, K + 1] = l
+
+    smem_bytes = 4 * (XS + (NWARP * 32 * 33 if device.SIMULATOR else 0))
+    _HEAD_WARPS[key] = (_attention_decode_head_warps, smem_bytes)
+    return _HEAD_WARPS[key]
 
 
 @_inline
@@ -696,15 +891,17 @@ def _spread_combine(G: int, limbs: bool):
 _SCRATCH: dict = {}  # (P, H, K) -> the split partials part[P, H, K+2], allocated once
 
 
-def decode_splits(H: int, K: int, slots: int, threads: int,
-                  split_tiles: int = 1) -> tuple[int, int]:
+def decode_splits(H: int, K: int, slots: int, threads: int, split_tiles: int = 1,
+                  heads_per_warp: int = HPW, tile: int = KC) -> tuple[int, int]:
     """(splits P, head groups) of the decode grid for ``slots`` key slots (W + S or W + Ncap):
-    about four blocks per SM, at least ``split_tiles`` KC-slot tiles a split and at most
-    MAX_SPLITS. Every split writes an H x (K + 2) partial that the combine reads back: at one
-    tile a split, CSA's 640 slots make 40 splits, 5.3 MB of partials for 374 KB of keys."""
-    groups = cdiv(H, threads // 32 * HPW)
+    about four blocks per SM, at least ``split_tiles`` tiles of ``tile`` slots a split and at
+    most MAX_SPLITS. Every split writes an H x (K + 2) partial that the combine reads back: at
+    one 16-slot tile a split, CSA's 640 slots make 40 splits, 5.3 MB of partials for 374 KB of
+    keys. (The split kernel's warps hold HPW heads over KC-slot tiles, the head-warp kernel's
+    one over KH.)"""
+    groups = cdiv(H, threads // 32 * heads_per_warp)
     sms = device.sm_count()
-    P = max(1, min(cdiv(slots, KC * split_tiles), cdiv(4 * sms, groups), MAX_SPLITS))
+    P = max(1, min(cdiv(slots, tile * split_tiles), cdiv(4 * sms, groups), MAX_SPLITS))
     return P, groups
 
 
@@ -735,7 +932,7 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
                      naive: bool = False, part=None, mma=None, tiles_per_split: int = MMA_TILES,
                      out_rope=None, split_tiles: int | None = None, limbs=None,
                      prefetch: bool = True, staged: bool = True,
-                     combine_groups: int = 0) -> None:
+                     combine_groups: int = 0, head_warps: bool = False) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -766,7 +963,11 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
     the combine itself (K a multiple of 16; naive: a limbs launch after).
 
     ``combine_groups`` > 0: the combine with the splits spread over that many groups of a
-    block's threads, every load issued at once (_spread_combine); 0: a thread a dim."""
+    block's threads, every load issued at once (_spread_combine); 0: a thread a dim.
+
+    ``head_warps`` (CUDA cores): the kernel with one head a warp over KH-slot tiles, 512
+    threads a block by default (_head_warp_kernel; ``split_tiles`` counts its tiles, 1 by
+    default), instead of two heads a warp over KC-slot tiles."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
@@ -792,6 +993,15 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             comp_packed.view(np.uint64), _no_keys(K), sel.reshape(1, sel.shape[0]),
             n_comp_visible, int32(all_visible), n_window, sinks, float32(scale), *_no_rope(),
             float32(0.0))
+    elif head_warps:
+        nt = threads or 512
+        kern, smem = _head_warp_kernel(K, R, nt)
+        P, groups = decode_splits(H, K, slots, nt, split_tiles or 1, 1, KH)
+        part = _partials(P, H, K, stream) if part is None else part
+        device.launch_shared(
+            kern, (P, groups), nt, stream, smem, part, q, window_packed.view(np.uint32),
+            n_window, comp_packed.view(np.uint32), sel, n_comp_visible, int32(all_visible),
+            float32(scale))
     else:
         nt = threads or 256
         kern, smem = _split_kernel(K, R, nt, prefetch, staged)
@@ -848,6 +1058,9 @@ PTX_SIGNATURES = [
     *((_split_kernel(512, 64, 256, prefetch, staged)[0],  # V4-Flash: K = 512, R = 64, 256
        f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
        "int32[::1], int32, float32)") for prefetch in (True, False) for staged in (True, False)),
+    (_head_warp_kernel(512, 64, 512)[0],  # the head-warp candidate
+     f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
+     "int32[::1], int32, float32)"),
     (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1], int32[::1], "
                          "float64[::1])"),
     (_attention_combine_limbs, f"void(float32[:, ::1], int32[:, ::1], {_PART}, float32[::1], "
@@ -887,6 +1100,7 @@ def bench_cases(stream) -> list[BenchCase]:
                **{f"split {t} tiles/split": dict(mma=False, split_tiles=t) for t in (1, 2, 4)},
                "split 2 tiles/split, partials unstaged": dict(mma=False, split_tiles=2,
                                                               staged=False),
+               "split, a head a warp (512 threads)": dict(mma=False, head_warps=True),
                **{f"split {t} tiles/split, no prefetch": dict(mma=False, split_tiles=t,
                                                               prefetch=False) for t in (1, 2, 4)}}
     for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):

@@ -87,6 +87,61 @@ def test_the_split_kernel_prefetching_the_next_tile_changes_nothing(hca, tiles):
     assert rel_err(got[True, True], ref) <= 1e-4
 
 
+@pytest.mark.parametrize("hca,tiles,threads", [(0, 1, 64), (1, 1, 64), (1, 2, 64), (0, 1, 32)])
+def test_the_head_warp_kernel_equals_the_reference(hca, tiles, threads):
+    """The split kernel with one head a warp over 32-slot tiles (head_warps) against float64
+    and against the two-heads-a-warp kernel: 3 heads (at 64 threads the second block's
+    second warp has none), a window partly filled, CSA holes, 37 visible compressed entries
+    (HCA: 53 slots, the last tile cut short; 2 tiles a split run the next tile's prefetch)."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, 3)
+    sel = rng.choice(NCAP, S, replace=False)
+    sel[rng.integers(0, S, size=2)] = -1
+    got, ref = run_decode(q, win, 11, comp, sel, 37, hca, sinks, threads=threads,
+                          split_tiles=tiles, head_warps=True)
+    two, _ = run_decode(q, win, 11, comp, sel, 37, hca, sinks, threads=64)
+    assert rel_err(got, ref) <= 1e-4
+    assert rel_err(got, two) <= 1e-5
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_the_head_warp_kernel_skips_a_tile_without_keys(tiles):
+    """An empty window and the first 16 selected slots holes: the first 32-slot tile has no
+    key. One tile a split: that split's partial is empty (max -inf, sum 0) and the combine
+    weighs it 0; two: the block skips the tile and goes on to the next one."""
+    rng = fresh_rng()
+    q, win, comp, sinks = decode_inputs(rng, 3)
+    sel = rng.choice(NCAP, 40, replace=False)
+    sel[:16] = -1
+    got, ref = run_decode(q, win, 0, comp, sel, 37, 0, sinks, threads=64, split_tiles=tiles,
+                          head_warps=True)
+    assert rel_err(got, ref) <= 1e-4
+
+
+def test_the_head_warp_kernel_reads_each_fp8_block_s_scale():
+    """K = 256 (three 64-dim FP8 blocks, each its own scale; at K = 128 there is one) at 64
+    threads (2 a key): a word's scale byte follows from its item."""
+    rng = fresh_rng()
+    H, K2, nc = 2, 256, 20
+    q = rng.normal(size=(H, K2)).astype(np.float32)
+    win = at.random_packed_kv(rng, W, K2, R)
+    comp = at.random_packed_kv(rng, nc, K2, R)
+    sinks = rng.normal(size=H).astype(np.float32)
+    nw, ncv = np.array([W], np.int32), np.array([nc], np.int32)
+    ref = np.empty((H, K2))
+    at.attention_decode_ref(ref, q.astype(np.float64), win, nw, comp, np.zeros(1, np.int32),
+                            ncv, 1, sinks.astype(np.float64), 1 / math.sqrt(K2))
+    out = poisoned((H, K2))
+    d = [cuda.to_device(a) for a in (q, win, nw, comp, np.zeros(1, np.int32), ncv, sinks)]
+    at.attention_decode(out, *d[:6], 1, d[6], 1 / math.sqrt(K2), threads=64, head_warps=True)
+    assert rel_err(out.copy_to_host(), ref) <= 1e-4
+
+
+def test_the_head_warp_kernel_refuses_a_layout_it_has_not():
+    with pytest.raises(ValueError, match="head-warp layout"):
+        at._head_warp_kernel(K, R, 16)  # (not whole warps)
+
+
 @pytest.mark.parametrize("groups", [0, 2, 8])
 @pytest.mark.parametrize("P", [3, 20, 34, 64])
 def test_the_combine_merges_the_split_partials_with_the_sink(P, groups):
