@@ -356,7 +356,8 @@ def inspect(path, all_keys):
                    "candidate (the q_a norm folded on every layer; the indexer query's "
                    "Hadamard a warp a vector; the routed "
                    "gate+up's SM-wide build of 4 tiles a block; the indexer scorer reading "
-                   "q's fragments from the query's launch; the routed down on the int8 "
+                   "q's fragments from the query's launch; the split attention a head a "
+                   "warp over 32-slot tiles; the routed down on the int8 "
                    "tensor cores too), each step "
                    "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",

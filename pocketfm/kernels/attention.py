@@ -561,13 +561,18 @@ def _head_tile(smem, kcode, nk, qr, kv, v, acc, m, l, lane, wid, red, K, ND, PS,
         acc[i] *= alpha
     smem[PS + wid * 32 + lane] = p
     _warp_sync()
-    for kk in range(nk):  # (a loop, not unrolled: 32 keys' loads hoisted would spill)
-        pk = smem[PS + wid * 32 + kk]
-        b = uint64(kk * K + lane * 4)
-        for i in range(DPL):
-            kv[i] = smem[b + uint64(_dim(i, 0))] if i < ND else float32(0.0)
-        for i in range(DPL):
-            acc[i] += pk * kv[i]
+    pb = uint64(PS + wid * 32)  # (unsigned offsets: no negative-index wraparound code)
+    # a loop of 2 keys a turn, not unrolled: 32 keys' loads hoisted would spill (an odd nk
+    # reads one key past the split: zeros, weight 0)
+    for k2 in range(0, nk, 2):
+        for u in range(2):
+            kk = uint64(k2 + u)
+            pk = smem[pb + kk]
+            b = kk * uint64(K) + uint64(lane * 4)
+            for i in range(DPL):
+                kv[i] = smem[b + uint64(_dim(i, 0))] if i < ND else float32(0.0)
+            for i in range(DPL):
+                acc[i] += pk * kv[i]
     return mt, l
 
 
