@@ -284,7 +284,7 @@ def test_attention_chunk():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
-@pytest.mark.parametrize("mma", [False, True, "unstaged"])
+@pytest.mark.parametrize("mma", [False, True, "unstaged", "head warps"])
 @pytest.mark.parametrize("hca", [0, 1])
 def test_attention_decode_v4_shapes(hca, mma):
     rng = fresh_rng()
@@ -301,6 +301,7 @@ def test_attention_decode_v4_shapes(hca, mma):
                             sinks.astype(np.float64), 1 / math.sqrt(K4))
     out = poisoned((H, K4))
     d = [cuda.to_device(a) for a in (q, win, nw, comp, sel, nc, sinks)]
-    at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4), mma=bool(mma),
-                        staged=mma != "unstaged")
+    at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4),
+                        mma=mma in (True, "unstaged"), staged=mma != "unstaged",
+                        head_warps=mma == "head warps")
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
