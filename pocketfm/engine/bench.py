@@ -298,6 +298,8 @@ def _decode_variants() -> dict:
             "the split attention at 1 tile a split": dict(attn_split_tiles=1),
             "the split attention a head a warp, 32-slot tiles (candidate)": dict(
                 attn_head_warps=True),
+            "the split attention a head a warp, 2 tiles a split (candidate)": dict(
+                attn_head_warps=True, attn_split_tiles=2),
             "HCA's attention with q and its partials unstaged, CSA's partials too (before)": dict(
                 attn_staged=False),
             "HCA's attention at 4 tiles a split (before)": dict(attn_mma_tiles=4),
