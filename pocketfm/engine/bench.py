@@ -254,10 +254,12 @@ def _decode_variants() -> dict:
     attention, by 8 blocks, and the next layer's q_a beside the MoE; the attention's combine
     with its splits over 4 thread groups; the indexer query in one launch; the routed gate+up's
     SM-wide build of 3 tiles a block) or try a candidate (the indexer scorer taking q's
-    fragments from the query's launch instead of staging q: not yet measured; the
-    q_a norm folded on every layer: slower, the CSA layers' indexer path gets longer; the
-    indexer query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
-    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
+    fragments from the query's launch instead of staging q: not yet measured; the split
+    attention with one head a warp over 32-slot tiles: 20.7 against 21.7 µs alone, H100,
+    2026-12-07 (y), the step not yet measured; the q_a norm folded on every layer: slower, the
+    CSA layers' indexer path gets longer; the indexer query's Hadamard a warp a vector: nil,
+    H100, 2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's tensor cores too: slower,
+    H200, 2026-12-06 (l)). HC pre's mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
     was dropped; so were the top-k's small threshold bin ranked on a list instead of a third
     digit pass, the router's weights into L2 with out_a's and the next layer's idx_q_b with
@@ -298,8 +300,6 @@ def _decode_variants() -> dict:
             "the split attention at 1 tile a split": dict(attn_split_tiles=1),
             "the split attention a head a warp, 32-slot tiles (candidate)": dict(
                 attn_head_warps=True),
-            "the split attention a head a warp, 2 tiles a split (candidate)": dict(
-                attn_head_warps=True, attn_split_tiles=2),
             "HCA's attention with q and its partials unstaged, CSA's partials too (before)": dict(
                 attn_staged=False),
             "HCA's attention at 4 tiles a split (before)": dict(attn_mma_tiles=4),

@@ -201,8 +201,9 @@ class DecodeEngine:
         self.attn_split_tiles = None
         # candidate: that split attention with one head a warp over 32-slot tiles, 512 threads a
         # block (attention._head_warp_kernel): a warp's serial chain, which sets the kernel's
-        # ~20 µs whatever the keys (Nsight, H100, BENCHMARKS 2026-12-07 (x)), about a third.
-        # Not yet measured
+        # ~20 µs whatever the keys (Nsight, H100, BENCHMARKS 2026-12-07 (x)), about halved.
+        # Alone, CSA 128 + 512: 20.7 against 21.7 µs with its combine (at 2 tiles a split
+        # 30.9); H100, graphs of 20, 2026-12-07 (y). The step not yet measured
         self.attn_head_warps = False
         # HCA's tensor-core split attention moving q and its partials through shared memory in
         # coalesced runs, the CUDA-core one (CSA, window-only) its partials (attention_decode
@@ -272,6 +273,7 @@ class DecodeEngine:
         # the name of one of imma_iq2_xxs.CANDIDATES' builds: "sm3", one block an SM of three
         # tiles' warps sharing a table copy a lane, 27.1 against 28.7 µs alone and 6.276 against
         # 6.297 ms a step (H100, 30 layers, --decode-ab, one process, BENCHMARKS 2026-12-07 (w);
+        # 23.6 against 26.7 µs alone with its first stage requested before its set-up, (y);
         # True: the one-tile blocks). The routed Q2_K down likewise (kernels/imma_q2_k.py), a
         # candidate: 10.343 with both against 10.257
         self.imma_gate_up = "sm3"

@@ -1106,8 +1106,6 @@ def bench_cases(stream) -> list[BenchCase]:
                "split 2 tiles/split, partials unstaged": dict(mma=False, split_tiles=2,
                                                               staged=False),
                "split, a head a warp (512 threads)": dict(mma=False, head_warps=True),
-               "split, a head a warp, 2 tiles/split": dict(mma=False, head_warps=True,
-                                                           split_tiles=2),
                **{f"split {t} tiles/split, no prefetch": dict(mma=False, split_tiles=t,
                                                               prefetch=False) for t in (1, 2, 4)}}
     for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):
