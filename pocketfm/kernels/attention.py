@@ -31,6 +31,7 @@ from . import device, kvpack
 from .bench import BenchCase
 from .device import cdiv
 from .gemv import XLW, _as_int32, _ld_x2, _limb_bytes, _limb_scales, _make_limbs
+from .imma import _syncwarp
 from .lowbit_layout import _f32_bits
 from .norm_rope import rope, rope_element
 
@@ -374,6 +375,16 @@ def _slot_code(m, s1, W, nwin, all_visible, sel, ncap):
     return code
 
 
+@_inline
+def _split_slots(W, ncap, sel, n_comp, all_visible, P, tile):
+    """(s0, s1): the key slots of split blockIdx.x of P, whole tiles of ``tile`` slots each
+    (slots past the visible ones, HCA's n_comp, are cut)."""
+    slots = ncap if all_visible else sel.shape[0]
+    per = ((W + slots + P - 1) // P + tile - 1) // tile * tile
+    s0 = cuda.blockIdx.x * per
+    return s0, min(s0 + per, W + (min(int(n_comp[0]), ncap) if all_visible else slots))
+
+
 _SPLITS: dict = {}
 
 
@@ -437,10 +448,7 @@ def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True, staged: bool =
         wb = cuda.local.array(MAX_ITEMS, uint32)  # PREFETCH: the next tile's words, and
         sb = cuda.local.array(MAX_ITEMS, uint32)  # the words of their FP8 scales
         nwin = min(int(n_window[0]), W)
-        slots = ncap if all_visible else sel.shape[0]
-        per = ((W + slots + P - 1) // P + KC - 1) // KC * KC  # whole tiles per split
-        s0 = cuda.blockIdx.x * per
-        s1 = min(s0 + per, W + (min(int(n_comp[0]), ncap) if all_visible else slots))
+        s0, s1 = _split_slots(W, ncap, sel, n_comp, all_visible, P, KC)
         if PREFETCH:  # the slots' codes, then q, then the first tile's words: all in flight
             if tid < KC:
                 kcode[tid] = _slot_code(s0 + tid, s1, W, nwin, all_visible, sel, ncap)
@@ -517,16 +525,6 @@ MAX_HEAD_ITEMS = 144  # its packed words a thread decodes a tile, at most (KW / 
 _HEAD_WARPS: dict = {}
 
 
-if device.SIMULATOR:
-    @_inline
-    def _warp_sync():
-        cuda.syncthreads()  # (the simulator's threads of a warp are not in lockstep)
-else:
-    @_inline
-    def _warp_sync():
-        cuda.syncwarp(0xFFFFFFFF)
-
-
 @_inline
 def _head_scores8(smem, kb, qr, kv, v, k0, K, ND):
     """v[k0 + u] = this lane's part of q · key k0 + u for u = 0 .. 7 (its ND dims)."""
@@ -560,7 +558,7 @@ def _head_tile(smem, kcode, nk, qr, kv, v, acc, m, l, lane, wid, red, K, ND, PS,
     for i in range(DPL):
         acc[i] *= alpha
     smem[PS + wid * 32 + lane] = p
-    _warp_sync()
+    _syncwarp()
     pb = uint64(PS + wid * 32)  # (unsigned offsets: no negative-index wraparound code)
     # a loop of 2 keys a turn, not unrolled: 32 keys' loads hoisted would spill (an odd nk
     # reads one key past the split: zeros, weight 0)
@@ -649,10 +647,7 @@ def _head_warp_kernel(K: int, R: int, NT: int):
         kk = tid // TPK  # this thread's key of a tile, and its first word
         w0 = tid - kk * TPK
         nwin = min(int(n_window[0]), W)
-        slots = ncap if all_visible else sel.shape[0]
-        per = ((W + slots + P - 1) // P + KH - 1) // KH * KH  # whole tiles per split
-        s0 = cuda.blockIdx.x * per
-        s1 = min(s0 + per, W + (min(int(n_comp[0]), ncap) if all_visible else slots))
+        s0, s1 = _split_slots(W, ncap, sel, n_comp, all_visible, P, KH)
         if tid < KH:
             kcode[tid] = _slot_code(s0 + tid, s1, W, nwin, all_visible, sel, ncap)
         for i in range(DPL):
