@@ -269,9 +269,10 @@ def test_the_split_attention_prefetching_its_next_tile_changes_no_logit():
     while it scores this one, against loading each tile after the last: the same values into
     the same arithmetic, so the same logits bit for bit; and at 1 tile a split (more splits:
     other sums in the combine) to rounding."""
-    logits = _flash_4_layer_logits({"prefetch": dict(attn_prefetch=True),
-                                    "no prefetch": dict(attn_prefetch=False),
-                                    "1 tile": dict(attn_prefetch=True, attn_split_tiles=1)})
+    two = dict(attn_head_warps=False)  # (the kernel of two heads a warp)
+    logits = _flash_4_layer_logits({"prefetch": dict(attn_prefetch=True, **two),
+                                    "no prefetch": dict(attn_prefetch=False, **two),
+                                    "1 tile": dict(attn_prefetch=True, attn_split_tiles=1, **two)})
     assert np.array_equal(logits["prefetch"], logits["no prefetch"])
     assert _rel(logits["1 tile"], logits["prefetch"]) <= 5e-3
 
@@ -282,9 +283,10 @@ def test_the_staged_attention_changes_no_logit():
     CUDA-core split kernel's partials, against straight between registers and memory: the
     same values into the same arithmetic, so the same logits bit for bit; at 4 tiles a split
     (other splits, other sums in the combine) to rounding."""
-    logits = _flash_4_layer_logits({"staged": dict(attn_staged=True),
-                                    "unstaged": dict(attn_staged=False),
-                                    "4 tiles": dict(attn_mma_tiles=4)})
+    two = dict(attn_head_warps=False)  # (CSA's kernel with partials it may stage)
+    logits = _flash_4_layer_logits({"staged": dict(attn_staged=True, **two),
+                                    "unstaged": dict(attn_staged=False, **two),
+                                    "4 tiles": dict(attn_mma_tiles=4, **two)})
     assert np.array_equal(logits["staged"], logits["unstaged"])
     assert 0 < _rel(logits["4 tiles"], logits["staged"]) <= 5e-3
 

@@ -247,19 +247,17 @@ def _decode_variants() -> dict:
     first; the dp4a GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's limbs off the
     CSA layers; the indexer's scores by one warp holding every head, and the top-k's first digit
     counted by it; out_a's limbs made by the attention's combine; the routed gate+up on
-    imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV; the split attention's next
-    tile loaded while it scores this one, and its 2 tiles a split; HC pre's post + comb and the
-    compressor on streams of their own, and the CSA q_a norm made by its readers with the
-    indexer's weights on a branch of their own; out_a's weights prefetched into L2 beside the
-    attention, by 8 blocks, and the next layer's q_a beside the MoE; the attention's combine
-    with its splits over 4 thread groups; the indexer query in one launch; the routed gate+up's
-    SM-wide build of 3 tiles a block) or try a candidate (the indexer scorer taking q's
-    fragments from the query's launch instead of staging q: not yet measured; the split
-    attention with one head a warp over 32-slot tiles: 20.7 against 21.7 µs alone, H100,
-    2026-12-07 (y), the step not yet measured; the q_a norm folded on every layer: slower, the
-    CSA layers' indexer path gets longer; the indexer query's Hadamard a warp a vector: nil,
-    H100, 2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's tensor cores too: slower,
-    H200, 2026-12-06 (l)). HC pre's mix and u in one
+    imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV; the split attention with one
+    head a warp over 32-slot tiles (before it: two heads a warp, its next tile loaded while it
+    scores this one, 2 tiles a split); HC pre's post + comb and the compressor on streams of
+    their own, and the CSA q_a norm made by its readers with the indexer's weights on a branch
+    of their own; out_a's weights prefetched into L2 beside the attention, by 8 blocks, and the
+    next layer's q_a beside the MoE; the attention's combine with its splits over 4 thread
+    groups; the indexer query in one launch, which also makes the scorer's q fragments; the
+    routed gate+up's SM-wide build of 3 tiles a block) or try a candidate (the q_a norm folded
+    on every layer: slower, the CSA layers' indexer path gets longer; the indexer query's
+    Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
+    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
     launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
     was dropped; so were the top-k's small threshold bin ranked on a list instead of a third
     digit pass, the router's weights into L2 with out_a's and the next layer's idx_q_b with
@@ -294,14 +292,16 @@ def _decode_variants() -> dict:
                 hc_u_gram=False, hc_mix_prefetch=False),
             "both HC kernels as before their loads first": dict(
                 hc_u_gram=False, hc_u_prefetch=False, hc_mix_prefetch=False),
-            "the split attention loading each tile after the last (no prefetch)": dict(
-                attn_prefetch=False),
-            "the split attention at 4 tiles a split": dict(attn_split_tiles=4),
-            "the split attention at 1 tile a split": dict(attn_split_tiles=1),
-            "the split attention a head a warp, 32-slot tiles (candidate)": dict(
-                attn_head_warps=True),
+            "the split attention two heads a warp, 16-slot tiles (before)": dict(
+                attn_head_warps=False),
+            "the split attention two heads a warp, each tile loaded after the last": dict(
+                attn_head_warps=False, attn_prefetch=False),
+            "the split attention two heads a warp, 4 tiles a split": dict(
+                attn_head_warps=False, attn_split_tiles=4),
+            "the split attention two heads a warp, 1 tile a split": dict(
+                attn_head_warps=False, attn_split_tiles=1),
             "HCA's attention with q and its partials unstaged, CSA's partials too (before)": dict(
-                attn_staged=False),
+                attn_staged=False, attn_head_warps=False),
             "HCA's attention at 4 tiles a split (before)": dict(attn_mma_tiles=4),
             "HC post + comb on the side stream (before)": dict(post_own_stream=False),
             "the compressor after the kv entry (before)": dict(compressor_own_stream=False),
@@ -323,8 +323,8 @@ def _decode_variants() -> dict:
                 idx_query_one_launch=False),
             "the routed gate+up SM-wide, 4 tiles a block (candidate)": dict(
                 imma_gate_up="sm"),
-            "the indexer scorer reading q's fragments from the query's launch (candidate)": dict(
-                scorer_q_fragments=True)}
+            "the indexer scorer staging q (before q's fragments from the query's launch)": dict(
+                scorer_q_fragments=False)}
 
 
 def decode_variant_names(texts) -> list:

@@ -193,18 +193,21 @@ class DecodeEngine:
         # router GEMV's last block 7.134, q_a + its norm + q_b's limbs in one launch 7.207
         # against 7.023 ms: the last block's serial tail after a fence cost more than the
         # launch it saved)
-        # the CUDA-core split attention (CSA, window-only layers) loading its next tile's packed
-        # words while it scores this one, a tile's words all at once (attention._split_kernel
-        # prefetch); False: each tile loaded after the last is scored, four words a thread at a
-        # time. attn_split_tiles: its least tiles a split (None: attention.SPLIT_TILES)
+        # the CUDA-core split attention of two heads a warp (where attn_head_warps, below, is
+        # off) loading its next tile's packed words while it scores this one, a tile's words
+        # all at once (attention._split_kernel prefetch); False: each tile loaded after the last
+        # is scored, four words a thread at a time. attn_split_tiles: its least tiles a split
+        # (None: attention.SPLIT_TILES; the head-warp kernel's: 1)
         self.attn_prefetch = True
         self.attn_split_tiles = None
-        # candidate: that split attention with one head a warp over 32-slot tiles, 512 threads a
-        # block (attention._head_warp_kernel): a warp's serial chain, which sets the kernel's
-        # ~20 µs whatever the keys (Nsight, H100, BENCHMARKS 2026-12-07 (x)), about halved.
-        # Alone, CSA 128 + 512: 20.7 against 21.7 µs with its combine (at 2 tiles a split
-        # 30.9); H100, graphs of 20, 2026-12-07 (y). The step not yet measured
-        self.attn_head_warps = False
+        # that split attention with one head a warp over 32-slot tiles, 512 threads a block
+        # (attention._head_warp_kernel): a warp's serial chain, which sets the kernel's ~20 µs
+        # whatever the keys (Nsight, H100, BENCHMARKS 2026-12-07 (x)), about halved. Alone, CSA
+        # 128 + 512: 20.7 against 21.7 µs with its combine (at 2 tiles a split 30.9; H100,
+        # graphs of 20, 2026-12-07 (y)); H100, 30 layers, --decode-ab, two calls: 5.964 /
+        # 5.949 against 6.012 / 6.006 ms (2026-12-07 (z)). False: two heads a warp over 16-slot
+        # tiles (the attn_prefetch / attn_split_tiles kernel)
+        self.attn_head_warps = True
         # HCA's tensor-core split attention moving q and its partials through shared memory in
         # coalesced runs, the CUDA-core one (CSA, window-only) its partials (attention_decode
         # staged; False: straight between registers and memory); attn_mma_tiles: the tensor-core
@@ -261,11 +264,12 @@ class DecodeEngine:
         # 2026-12-06 (p)). H100, 30 layers, --decode-ab, one process: 6.230 against 6.297 ms
         # (BENCHMARKS 2026-12-07 (w))
         self.idx_query_one_launch = True
-        # candidate: that launch also writes q's bf16 pairs in the one-warp scorer's fragment
-        # order, which the scorer then loads straight into its registers instead of staging q
-        # through shared memory (its staging: 47% of its samples in the step, Nsight, H100,
-        # BENCHMARKS 2026-12-07 (x)). Not yet measured
-        self.scorer_q_fragments = False
+        # that launch also writes q's bf16 pairs in the one-warp scorer's fragment order, which
+        # the scorer then loads straight into its registers instead of staging q through shared
+        # memory (its staging: 47% of its samples in the step, Nsight, H100, BENCHMARKS
+        # 2026-12-07 (x)). H100, 30 layers, --decode-ab, two calls: 5.929 / 5.928 against 6.012
+        # / 6.006 ms, ~6 µs a CSA layer (2026-12-07 (z)); False: q staged by the scorer
+        self.scorer_q_fragments = True
         # the routed experts' fused IQ2_XXS gate+up on the int8 tensor cores
         # (kernels/imma_iq2_xxs.py: one MMA a 16 x 32 tile, the codes by two lookups and two byte
         # permutes) instead of the dp4a GEMV, whose issue slots bound it (ncu, (j)): 10.257

@@ -516,7 +516,7 @@ def _split_kernel(K: int, R: int, NT: int, prefetch: bool = True, staged: bool =
     return _SPLITS[key]
 
 
-# ---- decode: one head a warp, 32-key tiles (candidate) ----------------------------------------
+# ---- decode: one head a warp, 32-key tiles (the engine's CSA / window-only kernel) -------------
 KH = 32  # the head-warp kernel's keys a tile: after the lane sums, lane l holds key l's score
 KH2 = 2 * KH
 HEAD_WARP_REGS = 128  # its registers: a block of 512 threads an SM (ptxas: 12 bytes spilled)
@@ -1058,7 +1058,7 @@ PTX_SIGNATURES = [
     *((_split_kernel(512, 64, 256, prefetch, staged)[0],  # V4-Flash: K = 512, R = 64, 256
        f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
        "int32[::1], int32, float32)") for prefetch in (True, False) for staged in (True, False)),
-    (_head_warp_kernel(512, 64, 512)[0],  # the head-warp candidate
+    (_head_warp_kernel(512, 64, 512)[0],  # the head-warp kernel (the engine's CSA)
      f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
      "int32[::1], int32, float32)"),
     (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1], int32[::1], "
