@@ -251,6 +251,8 @@ class DecodeEngine:
         # ms without; with the next q_b too 6.686 (the routed experts' ~43 MB pass through L2
         # between), and q_b's and idx_q_b's from the attention sublayer's start 6.785
         self.l2_prefetch_next = ("q_a",)
+        # (the first 15-45% of out_b's rows after out_a's, or of the next q_b's with its q_a:
+        # 5.880-6.009 / 5.885-5.930 against 5.888 ms, H100, 30 layers, 2026-12-07 (z); removed)
         # attn_output_a's x limbs made by the attention's combine (one launch fewer on every
         # layer's path), where out_a runs the dp4a kernel: 7.803 / 7.653 against 7.814 / 7.678
         self.limbs_in_combine = True
@@ -264,6 +266,9 @@ class DecodeEngine:
         # 2026-12-06 (p)). H100, 30 layers, --decode-ab, one process: 6.230 against 6.297 ms
         # (BENCHMARKS 2026-12-07 (w))
         self.idx_query_one_launch = True
+        # (that launch with each head over 2-8 blocks, the head's last block finishing the
+        # Hadamard: 14.9-15.8 against 15.3 µs alone, 5.874-5.926 against 5.888 ms a step, H100,
+        # 2026-12-07 (z); removed)
         # that launch also writes q's bf16 pairs in the one-warp scorer's fragment order, which
         # the scorer then loads straight into its registers instead of staging q through shared
         # memory (its staging: 47% of its samples in the step, Nsight, H100, BENCHMARKS
