@@ -397,6 +397,19 @@ def test_the_scorer_reading_q_fragments_changes_no_logit():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the split attention)")
+def test_the_bf16_attention_tile_changes_the_logits_by_rounding_only():
+    """DecodeEngine.attn_bf16_tile: the head-warp attention's tile as bf16 holds the same
+    values, but at K = 512 a lane holds 8 consecutive dims instead of 4 (one 128-bit load):
+    the same products summed in another order, so the logits agree to rounding (1 layer:
+    window-only; 4: amplified by the next layers' picks, as for the head-warp kernel)."""
+    for layers, bound in ((1, 1e-5), (4, 5e-3)):
+        logits = _flash_4_layer_logits({"f32": dict(attn_bf16_tile=False),
+                                        "bf16": dict(attn_bf16_tile=True)}, layers)
+        assert _rel(logits["bf16"], logits["f32"]) <= bound, layers
+        assert not np.array_equal(logits["bf16"], logits["f32"])  # (each ran)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the split attention)")
 @pytest.mark.parametrize("layers, bound", [(1, 1e-5), (4, 5e-3)])
 def test_the_head_warp_attention_changes_the_logits_by_rounding_only(layers, bound):
     """DecodeEngine.attn_head_warps: the CSA and window-only layers' split attention with one

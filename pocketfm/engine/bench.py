@@ -248,8 +248,8 @@ def _decode_variants() -> dict:
     CSA layers; the indexer's scores by one warp holding every head, and the top-k's first digit
     counted by it; out_a's limbs made by the attention's combine; the routed gate+up on
     imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV; the split attention with one
-    head a warp over 32-slot tiles (before it: two heads a warp, its next tile loaded while it
-    scores this one, 2 tiles a split); HC pre's post + comb and the compressor on streams of
+    head a warp over 32-slot tiles, its decoded tile held as bf16 (before it: float32; two
+    heads a warp, its next tile loaded while it scores this one, 2 tiles a split); HC pre's post + comb and the compressor on streams of
     their own, and the CSA q_a norm made by its readers with the indexer's weights on a branch
     of their own; out_a's weights prefetched into L2 beside the attention, by 8 blocks, and the
     next layer's q_a beside the MoE; the attention's combine with its splits over 4 thread
@@ -294,6 +294,7 @@ def _decode_variants() -> dict:
                 hc_u_gram=False, hc_u_prefetch=False, hc_mix_prefetch=False),
             "the split attention two heads a warp, 16-slot tiles (before)": dict(
                 attn_head_warps=False),
+            "the split attention's tile in float32 (before bf16)": dict(attn_bf16_tile=False),
             "the split attention two heads a warp, each tile loaded after the last": dict(
                 attn_head_warps=False, attn_prefetch=False),
             "the split attention two heads a warp, 4 tiles a split": dict(

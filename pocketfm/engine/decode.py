@@ -208,6 +208,12 @@ class DecodeEngine:
         # 5.949 against 6.012 / 6.006 ms (2026-12-07 (z)). False: two heads a warp over 16-slot
         # tiles (the attn_prefetch / attn_split_tiles kernel)
         self.attn_head_warps = True
+        # that kernel holding its decoded tile as bf16 (every value exact there): its 16 heads
+        # read the whole tile from shared memory twice, 2 MB a block in float32, ~8 µs at 128
+        # bytes a cycle (attention._head_warp_kernel BF16). Alone (with the combine), CSA 128 +
+        # 512: 19.7 against 20.7 µs; H100, 30 layers, --decode-ab: 5.893 against 5.911 ms
+        # (2026-12-07 (z)). False: the tile in float32
+        self.attn_bf16_tile = True
         # HCA's tensor-core split attention moving q and its partials through shared memory in
         # coalesced runs, the CUDA-core one (CSA, window-only) its partials (attention_decode
         # staged; False: straight between registers and memory); attn_mma_tiles: the tensor-core
@@ -297,7 +303,8 @@ class DecodeEngine:
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
         hc_mix_prefetch,
         hc_u_gram, moe_parts,
-        attn_prefetch, attn_split_tiles, attn_head_warps, attn_staged, attn_mma_tiles,
+        attn_prefetch, attn_split_tiles, attn_head_warps, attn_bf16_tile, attn_staged,
+        attn_mma_tiles,
         attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
         l2_prefetch_blocks, l2_prefetch_next)
@@ -496,7 +503,8 @@ class DecodeEngine:
                          prefetch=self.attn_prefetch, split_tiles=self.attn_split_tiles,
                          staged=self.attn_staged, tiles_per_split=self.attn_mma_tiles,
                          combine_groups=self.attn_combine_groups,
-                         head_warps=self.attn_head_warps, **sim)
+                         head_warps=self.attn_head_warps, bf16_tile=self.attn_bf16_tile,
+                         **sim)
         if xo is not None:
             gemv_q8_0(self.y, L.out_a, None, self.w.group_ids, s, threads=nt, limbs=xo)
         else:

@@ -30,7 +30,7 @@ from .. import ops
 from . import device, kvpack
 from .bench import BenchCase
 from .device import cdiv
-from .gemv import XLW, _as_int32, _ld_x2, _limb_bytes, _limb_scales, _make_limbs
+from .gemv import XLW, _as_int32, _bits_f32, _ld_x2, _limb_bytes, _limb_scales, _make_limbs
 from .imma import _syncwarp
 from .lowbit_layout import _f32_bits
 from .norm_rope import rope, rope_element
@@ -290,6 +290,33 @@ def _store_word(smem, smem_u, o, fp8, empty, word, sword):
 
 
 @_inline
+def _store_word_bf16(smem_u, o, fp8, empty, word, sword):
+    """_store_word into a tile of bf16 elements two a word (element o: o even): the FP8 codes'
+    values as _store_word makes them, each exact in bf16 (4 significant bits times a power of
+    two, above float32's subnormals: block scales above 2**-100), the bf16 dims as they
+    are."""
+    o = uint64(o) >> uint64(1)
+    if empty:
+        smem_u[o] = 0
+        if fp8:
+            smem_u[o + uint64(1)] = 0
+    elif fp8:
+        c = float32(math.ldexp(float32(1.0), (sword & 255) - 137))
+        for e2 in range(2):
+            w = uint32(0)
+            for h in range(2):
+                b = (word >> (8 * (2 * e2 + h))) & 255
+                ex = (b >> 3) & 15
+                mant = ((8 + (b & 7)) << ex) if ex > 0 else ((b & 7) << 1)
+                val = float32(mant) * c
+                bits = _f32_bits(-val if b & 128 else val)
+                w |= (bits >> uint32(16)) if h == 0 else (bits & uint32(0xFFFF0000))
+            smem_u[o + uint64(e2)] = w
+    else:
+        smem_u[o] = word
+
+
+@_inline
 def _init_heads(qr, acc, mr, lr, qrows, h0, lane, scale, ND):
     """This warp's heads h0 .. h0+HPW-1: its lane's dims of q (scaled) in qr, accumulators
     zero, running max -inf, running sum 0 (qrows [H, K]: one token's queries)."""
@@ -526,12 +553,34 @@ _HEAD_WARPS: dict = {}
 
 
 @_inline
-def _head_scores8(smem, kb, qr, kv, v, k0, K, ND):
+def _group_dim(i, lane, DG):
+    """The head dim of a lane's i-th value with DG consecutive dims a lane in every 32·DG
+    (DG = 4: _dim; DG = 8: a bf16 tile's 16 bytes a lane, one 128-bit load)."""
+    return (i // DG) * (32 * DG) + lane * DG + i % DG
+
+
+@_inline
+def _tile_dims(smem, smem_u, b, kv, ND, BF, DG):
+    """kv[i] <- dim _group_dim(i, lane, DG) of the tile's key whose lane-0 dims start at
+    element b (b: the key's first element + lane·DG), zero past ND: float32 elements, or
+    (BF) bf16 elements two a word, widened by moving their bits."""
+    if BF:
+        bw = b >> uint64(1)
+        for g in range(DPL // DG):
+            for u in range(DG // 2):
+                w = smem_u[bw + uint64(g * 16 * DG + u)] if g * DG < ND else uint32(0)
+                kv[g * DG + 2 * u] = _bits_f32(w << uint32(16))
+                kv[g * DG + 2 * u + 1] = _bits_f32(w & uint32(0xFFFF0000))
+    else:
+        for i in range(DPL):
+            kv[i] = smem[b + uint64(_group_dim(i, 0, DG))] if i < ND else float32(0.0)
+
+
+@_inline
+def _head_scores8(smem, smem_u, kb, qr, kv, v, k0, K, ND, BF, DG):
     """v[k0 + u] = this lane's part of q · key k0 + u for u = 0 .. 7 (its ND dims)."""
     for u in range(8):
-        b = kb + uint64((k0 + u) * K)
-        for i in range(DPL):
-            kv[i] = smem[b + uint64(_dim(i, 0))] if i < ND else float32(0.0)
+        _tile_dims(smem, smem_u, kb + uint64((k0 + u) * K), kv, ND, BF, DG)
         s = float32(0.0)
         for i in range(DPL):
             s += qr[i] * kv[i]
@@ -539,16 +588,17 @@ def _head_scores8(smem, kb, qr, kv, v, k0, K, ND):
 
 
 @_inline
-def _head_tile(smem, kcode, nk, qr, kv, v, acc, m, l, lane, wid, red, K, ND, PS, XS):
+def _head_tile(smem, smem_u, kcode, nk, qr, kv, v, acc, m, l, lane, wid, red, K, ND, PS, XS,
+               BF, DG):
     """A decoded tile of KH keys into this warp's one head: the lane sums leave key l's score
     on lane l, so the tile's max and sum are two warp reductions and each lane takes one exp
     (p of its key, through shared memory to every lane for P·V). -> (m, l) after the tile.
     Called by every thread of the block with a live tile (a key in it)."""
-    kb = uint64(lane * 4)
-    _head_scores8(smem, kb, qr, kv, v, 0, K, ND)  # four calls: v's indices stay literal
-    _head_scores8(smem, kb, qr, kv, v, 8, K, ND)
-    _head_scores8(smem, kb, qr, kv, v, 16, K, ND)
-    _head_scores8(smem, kb, qr, kv, v, 24, K, ND)
+    kb = uint64(lane * DG)
+    _head_scores8(smem, smem_u, kb, qr, kv, v, 0, K, ND, BF, DG)  # four calls: v's indices
+    _head_scores8(smem, smem_u, kb, qr, kv, v, 8, K, ND, BF, DG)  # stay literal
+    _head_scores8(smem, smem_u, kb, qr, kv, v, 16, K, ND, BF, DG)
+    _head_scores8(smem, smem_u, kb, qr, kv, v, 24, K, ND, BF, DG)
     s = _lane_sums(v, lane, smem[XS + wid * 32 * 33:])
     s = s if kcode[lane] >= 0 else float32(-math.inf)
     mt = max(m, device.warp_max(s, red))  # finite: the tile has a key
@@ -566,9 +616,7 @@ def _head_tile(smem, kcode, nk, qr, kv, v, acc, m, l, lane, wid, red, K, ND, PS,
         for u in range(2):
             kk = uint64(k2 + u)
             pk = smem[pb + kk]
-            b = kk * uint64(K) + uint64(lane * 4)
-            for i in range(DPL):
-                kv[i] = smem[b + uint64(_dim(i, 0))] if i < ND else float32(0.0)
+            _tile_dims(smem, smem_u, kk * uint64(K) + kb, kv, ND, BF, DG)
             for i in range(DPL):
                 acc[i] += pk * kv[i]
     return mt, l
@@ -590,20 +638,27 @@ def _fetch_key(wb, sb, win, comp, code, w0, TPK, NI, NF, SB):
         sb[j] = src[row, b // 4] >> (8 * (b % 4))
 
 
-def _head_warp_kernel(K: int, R: int, NT: int):
+def _head_warp_kernel(K: int, R: int, NT: int, BF16: bool = False):
     """(kernel, dynamic shared bytes): the split kernel with one head a warp and KH-key tiles,
     NT threads a block (NT / 32 heads). The split kernel's warp holds two heads over 16-key
     tiles and runs ~7,600 instructions in a row at ~4 cycles each whatever the keys (Nsight,
     H100, 2026-12-07 (x)): here a warp's chain for CSA's 32-slot split is one tile of half
     the heads, with one exp a lane instead of one a key and head, and twice the warps an SM
     hide each other's latency. The tile's words are loaded a tile ahead (registers), as the
-    split kernel's prefetch; the partials leave through the tile's shared memory."""
-    key = (K, R, NT)
+    split kernel's prefetch; the partials leave through the tile's shared memory.
+
+    BF16: the decoded tile held as bf16 (every value of it is exact there): each of the
+    block's NT / 32 heads reads the whole tile from shared memory twice (scores, P·V), 2 MB a
+    block of 16 heads over CSA's 32-key split in float32, which at 128 bytes a cycle is ~8 µs
+    of the launch; half that in bf16, for a shift or mask a value."""
+    key = (K, R, NT, BF16)
     if key in _HEAD_WARPS:
         return _HEAD_WARPS[key]
     if K % 128 or K > 32 * DPL or (K - R) % 64 or R % 32 or NT not in (32, 64, 128, 256, 512):
         raise ValueError(f"attention_decode: no head-warp layout for K={K}, R={R}, threads={NT}")
-    ND = K // 32  # dims per lane: see _dim
+    ND = K // 32  # dims per lane: see _group_dim
+    BF = BF16
+    DG = 8 if BF16 and K % 256 == 0 else 4  # a lane's consecutive dims (128-bit loads)
     NOPE = K - R
     NFP8 = NOPE // 4  # words of FP8 codes, then R/2 words of bf16 pairs, then the scales
     KW = NFP8 + R // 2
@@ -652,7 +707,7 @@ def _head_warp_kernel(K: int, R: int, NT: int):
             kcode[tid] = _slot_code(s0 + tid, s1, W, nwin, all_visible, sel, ncap)
         for i in range(DPL):
             ok = h < H and i < ND
-            qr[i] = q[h, _dim(i, lane)] * scale if ok else float32(0.0)
+            qr[i] = q[h, _group_dim(i, lane, DG)] * scale if ok else float32(0.0)
             acc[i] = float32(0.0)
         m = float32(-math.inf)
         l = float32(0.0)
@@ -664,7 +719,10 @@ def _head_warp_kernel(K: int, R: int, NT: int):
             empty = cw[kk] < 0
             for j in range(NI):
                 o = kk * K + (4 * (w0 + TPK * j) if j < NF else NOPE + 2 * (w0 + TPK * (j - NF)))
-                _store_word(smem, smem_u, o, j < NF, empty, int(wb[j]), int(sb[j]))
+                if BF:
+                    _store_word_bf16(smem_u, o, j < NF, empty, int(wb[j]), int(sb[j]))
+                else:
+                    _store_word(smem, smem_u, o, j < NF, empty, int(wb[j]), int(sb[j]))
             nw = kcode[(1 - cur) * KH:]
             if tid < KH:
                 nw[tid] = _slot_code(t0 + KH + tid, s1, W, nwin, all_visible, sel, ncap)
@@ -673,14 +731,14 @@ def _head_warp_kernel(K: int, R: int, NT: int):
             if t0 + KH < s1:  # the next tile's words load while this one is scored
                 _fetch_key(wb, sb, win, comp, nw[kk], w0, TPK, NI, NF, SB)
             if live:
-                m, l = _head_tile(smem, cw, min(KH, s1 - t0), qr, kv, v, acc, m, l, lane,
-                                  wid, red, K, ND, PS, XS)
+                m, l = _head_tile(smem, smem_u, cw, min(KH, s1 - t0), qr, kv, v, acc, m, l,
+                                  lane, wid, red, K, ND, PS, XS, BF, DG)
             cuda.syncthreads()  # the tile is read: the next one may overwrite it
             cur = 1 - cur
         b = cuda.blockIdx.x
         row = wid * K  # (NWARP <= KH rows: the tile's shared memory holds the block's heads)
         for i in range(ND):
-            smem[row + _dim(i, lane)] = acc[i]
+            smem[row + _group_dim(i, lane, DG)] = acc[i]
         cuda.syncthreads()
         if h < H:
             for j in range(ND):
@@ -932,7 +990,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
                      naive: bool = False, part=None, mma=None, tiles_per_split: int = MMA_TILES,
                      out_rope=None, split_tiles: int | None = None, limbs=None,
                      prefetch: bool = True, staged: bool = True,
-                     combine_groups: int = 0, head_warps: bool = False) -> None:
+                     combine_groups: int = 0, head_warps: bool = False,
+                     bf16_tile: bool = False) -> None:
     """out[H, K] f32 <- sink attention of q[H, K] over the window entries (n_window of
     window_packed[W, bytes]) and the compressed entries of comp_packed[Ncap, bytes]: the rows
     in sel[S] int32 (CSA; -1 = none) or, with ``all_visible`` (HCA), every row below
@@ -967,7 +1026,8 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
 
     ``head_warps`` (CUDA cores): the kernel with one head a warp over KH-slot tiles, 512
     threads a block by default (_head_warp_kernel; ``split_tiles`` counts its tiles, 1 by
-    default), instead of two heads a warp over KC-slot tiles."""
+    default), instead of two heads a warp over KC-slot tiles; ``bf16_tile``: that kernel
+    holding its decoded tile as bf16 (the same values: half the shared-memory reads)."""
     H, K = q.shape
     R = rope_dim_of(K, window_packed.shape[1])
     args = (q, window_packed, n_window, comp_packed, sel, n_comp_visible, int32(all_visible))
@@ -995,7 +1055,7 @@ def attention_decode(out, q, window_packed, n_window, comp_packed, sel, n_comp_v
             float32(0.0))
     elif head_warps:
         nt = threads or 512
-        kern, smem = _head_warp_kernel(K, R, nt)
+        kern, smem = _head_warp_kernel(K, R, nt, bf16_tile)
         P, groups = decode_splits(H, K, slots, nt, split_tiles or 1, 1, KH)
         part = _partials(P, H, K, stream) if part is None else part
         device.launch_shared(
@@ -1058,9 +1118,9 @@ PTX_SIGNATURES = [
     *((_split_kernel(512, 64, 256, prefetch, staged)[0],  # V4-Flash: K = 512, R = 64, 256
        f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
        "int32[::1], int32, float32)") for prefetch in (True, False) for staged in (True, False)),
-    (_head_warp_kernel(512, 64, 512)[0],  # the head-warp kernel (the engine's CSA)
-     f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
-     "int32[::1], int32, float32)"),
+    *((_head_warp_kernel(512, 64, 512, bf)[0],  # the head-warp kernel (the engine's CSA)
+       f"void({_PART}, float32[:, ::1], uint32[:, ::1], int32[::1], uint32[:, ::1], int32[::1], "
+       "int32[::1], int32, float32)") for bf in (False, True)),
     (_attention_combine, f"void(float32[:, ::1], {_PART}, float32[::1], int32[::1], "
                          "float64[::1])"),
     (_attention_combine_limbs, f"void(float32[:, ::1], int32[:, ::1], {_PART}, float32[::1], "
@@ -1101,6 +1161,8 @@ def bench_cases(stream) -> list[BenchCase]:
                "split 2 tiles/split, partials unstaged": dict(mma=False, split_tiles=2,
                                                               staged=False),
                "split, a head a warp (512 threads)": dict(mma=False, head_warps=True),
+               "split, a head a warp, bf16 tile": dict(mma=False, head_warps=True,
+                                                       bf16_tile=True),
                **{f"split {t} tiles/split, no prefetch": dict(mma=False, split_tiles=t,
                                                               prefetch=False) for t in (1, 2, 4)}}
     for mode, ncomp in (("CSA", 512), ("HCA", 2048), ("HCA", 8192)):

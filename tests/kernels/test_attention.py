@@ -102,6 +102,10 @@ def test_the_head_warp_kernel_equals_the_reference(hca, tiles, threads):
     two, _ = run_decode(q, win, 11, comp, sel, 37, hca, sinks, threads=64)
     assert rel_err(got, ref) <= 1e-4
     assert rel_err(got, two) <= 1e-5
+    # the tile as bf16: the same values, and at K = 128 the same dims a lane: the same bits
+    bf, _ = run_decode(q, win, 11, comp, sel, 37, hca, sinks, threads=threads,
+                       split_tiles=tiles, head_warps=True, bf16_tile=True)
+    assert np.array_equal(bf, got)
 
 
 @pytest.mark.parametrize("tiles", [1, 2])
@@ -116,11 +120,16 @@ def test_the_head_warp_kernel_skips_a_tile_without_keys(tiles):
     got, ref = run_decode(q, win, 0, comp, sel, 37, 0, sinks, threads=64, split_tiles=tiles,
                           head_warps=True)
     assert rel_err(got, ref) <= 1e-4
+    bf, _ = run_decode(q, win, 0, comp, sel, 37, 0, sinks, threads=64, split_tiles=tiles,
+                       head_warps=True, bf16_tile=True)
+    assert np.array_equal(bf, got)
 
 
-def test_the_head_warp_kernel_reads_each_fp8_block_s_scale():
+@pytest.mark.parametrize("bf16_tile", [False, True])
+def test_the_head_warp_kernel_reads_each_fp8_block_s_scale(bf16_tile):
     """K = 256 (three 64-dim FP8 blocks, each its own scale; at K = 128 there is one) at 64
-    threads (2 a key): a word's scale byte follows from its item."""
+    threads (2 a key): a word's scale byte follows from its item; the bf16 tile's lanes hold
+    8 consecutive dims (K a multiple of 256), its FP8 values and bf16 dims in their words."""
     rng = fresh_rng()
     H, K2, nc = 2, 256, 20
     q = rng.normal(size=(H, K2)).astype(np.float32)
@@ -133,7 +142,8 @@ def test_the_head_warp_kernel_reads_each_fp8_block_s_scale():
                             ncv, 1, sinks.astype(np.float64), 1 / math.sqrt(K2))
     out = poisoned((H, K2))
     d = [cuda.to_device(a) for a in (q, win, nw, comp, np.zeros(1, np.int32), ncv, sinks)]
-    at.attention_decode(out, *d[:6], 1, d[6], 1 / math.sqrt(K2), threads=64, head_warps=True)
+    at.attention_decode(out, *d[:6], 1, d[6], 1 / math.sqrt(K2), threads=64, head_warps=True,
+                        bf16_tile=bf16_tile)
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
 
 
@@ -284,7 +294,7 @@ def test_attention_chunk():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4 shapes: too slow for the simulator")
-@pytest.mark.parametrize("mma", [False, True, "unstaged", "head warps"])
+@pytest.mark.parametrize("mma", [False, True, "unstaged", "head warps", "bf16 tile"])
 @pytest.mark.parametrize("hca", [0, 1])
 def test_attention_decode_v4_shapes(hca, mma):
     rng = fresh_rng()
@@ -303,5 +313,5 @@ def test_attention_decode_v4_shapes(hca, mma):
     d = [cuda.to_device(a) for a in (q, win, nw, comp, sel, nc, sinks)]
     at.attention_decode(out, *d[:6], hca, d[6], 1 / math.sqrt(K4),
                         mma=mma in (True, "unstaged"), staged=mma != "unstaged",
-                        head_warps=mma == "head warps")
+                        head_warps=mma in ("head warps", "bf16 tile"), bf16_tile=mma == "bf16 tile")
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
