@@ -263,6 +263,17 @@ def _put(smem, smem_u, kcode, it, word, sword, K, KW, NOPE, NK):
 
 
 @_inline
+def _e4m3_scaled(b, c):
+    """e4m3 byte b times the block scale: e4m3 = mant · 2**-10 with mant = (8 + m) << e (e > 0)
+    or 2m (subnormal), exact in float32, then one multiply by c = 2**(s - 137) (the scale
+    2**(s - 127) with the 2**-10 folded in)."""
+    ex = (b >> 3) & 15
+    mant = ((8 + (b & 7)) << ex) if ex > 0 else ((b & 7) << 1)
+    val = float32(mant) * c
+    return -val if b & 128 else val
+
+
+@_inline
 def _store_word(smem, smem_u, o, fp8, empty, word, sword):
     """A packed word into the tile at float offset o: 4 FP8 codes (``fp8``; scale byte: the
     low byte of ``sword``) or 2 bf16 dims, or zeros where the slot is ``empty``."""
@@ -275,15 +286,9 @@ def _store_word(smem, smem_u, o, fp8, empty, word, sword):
             smem_u[o + uint64(2)] = 0
             smem_u[o + uint64(3)] = 0
     elif fp8:
-        # e4m3 = mant · 2**-10 with mant = (8 + m) << e (e > 0) or 2m (subnormal): exact in
-        # float32, then one multiply by the block scale 2**(s - 127)
         c = float32(math.ldexp(float32(1.0), (sword & 255) - 137))
         for e in range(4):
-            b = (word >> (8 * e)) & 255
-            ex = (b >> 3) & 15
-            mant = ((8 + (b & 7)) << ex) if ex > 0 else ((b & 7) << 1)
-            val = float32(mant) * c
-            smem[o + uint64(e)] = -val if b & 128 else val
+            smem[o + uint64(e)] = _e4m3_scaled((word >> (8 * e)) & 255, c)
     else:  # bf16 -> float32 is the bf16 bits in the high half: move the bits
         smem_u[o] = (word & 0xFFFF) << 16
         smem_u[o + uint64(1)] = word & 0xFFFF0000
@@ -303,15 +308,9 @@ def _store_word_bf16(smem_u, o, fp8, empty, word, sword):
     elif fp8:
         c = float32(math.ldexp(float32(1.0), (sword & 255) - 137))
         for e2 in range(2):
-            w = uint32(0)
-            for h in range(2):
-                b = (word >> (8 * (2 * e2 + h))) & 255
-                ex = (b >> 3) & 15
-                mant = ((8 + (b & 7)) << ex) if ex > 0 else ((b & 7) << 1)
-                val = float32(mant) * c
-                bits = _f32_bits(-val if b & 128 else val)
-                w |= (bits >> uint32(16)) if h == 0 else (bits & uint32(0xFFFF0000))
-            smem_u[o + uint64(e2)] = w
+            lo = _f32_bits(_e4m3_scaled((word >> (16 * e2)) & 255, c))
+            hi = _f32_bits(_e4m3_scaled((word >> (16 * e2 + 8)) & 255, c))
+            smem_u[o + uint64(e2)] = (lo >> uint32(16)) | (hi & uint32(0xFFFF0000))
     else:
         smem_u[o] = word
 
