@@ -240,35 +240,36 @@ def time_prefill_variants(pf, p0: int, T: int, rounds: int = 2, names=None) -> d
 
 
 def _decode_variants() -> dict:
-    """What ``bench --decode-ab`` times against the step as landed: DecodeEngine settings that
-    undo one change each (the side streams; HC pre's u block over D / 512 blocks from the Gram
-    partials; the MoE's output added up by the next Gram mix; the u block's one block of 1,024
-    threads with the norm from registers; that block and HC post + mix with their loads issued
-    first; the dp4a GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's limbs off the
-    CSA layers; the indexer's scores by one warp holding every head, and the top-k's first digit
-    counted by it; out_a's limbs made by the attention's combine; the routed gate+up on
-    imma_iq2_xxs.py's int8 tensor cores instead of the dp4a GEMV; the split attention with one
-    head a warp over 32-slot tiles, its decoded tile held as bf16 (before it: float32; two
-    heads a warp, its next tile loaded while it scores this one, 2 tiles a split); HC pre's post + comb and the compressor on streams of
-    their own, and the CSA q_a norm made by its readers with the indexer's weights on a branch
-    of their own; out_a's weights prefetched into L2 beside the attention, by 8 blocks, and the
-    next layer's q_a beside the MoE; the attention's combine with its splits over 4 thread
-    groups; the indexer query in one launch, which also makes the scorer's q fragments; the
-    routed gate+up's SM-wide build of 3 tiles a block) or try a candidate (the q_a norm folded
-    on every layer: slower, the CSA layers' indexer path gets longer; the indexer query's
-    Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
-    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one
-    launch (the last block to finish making u) was a candidate too, 8.30 against 7.94 ms, and
-    was dropped; so were the top-k's small threshold bin ranked on a list instead of a third
-    digit pass, the router's weights into L2 with out_a's and the next layer's idx_q_b with
-    its q_a (+0.1%, +0.2%, 0.0%, H100, 2026-12-06 (r)); the routing in the router GEMV's last
-    block and q_a with its norm and q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms,
-    H100, 2026-12-06; and q's norm and RoPE in HCA's tensor-core attention and that attention at
-    8 tiles a split: 6.982 / 7.033 against 6.954 ms (o); the first again with the two streams
-    apart, 8.988 against 8.983 ms, and out_b's x limbs made by out_a's GEMV, 9.510 against 9.320
-    ms (H200, 43 layers, 2026-12-06 (p)); out_b's weights into L2 too, 6.826 against 6.681 ms,
-    H100 (p); q_b's and idx_q_b's from the attention sublayer's start, and the next layer's q_b
-    beside the MoE, 6.785 / 6.686 against 6.573 ms, H100 (q)."""
+    """What ``bench --decode-ab`` times against the step as landed: DecodeEngine settings that undo
+    one change each (the side streams; HC pre's u block over D / 512 blocks from the Gram partials;
+    the MoE's output added up by the next Gram mix; the u block's one block of 1,024 threads with
+    the norm from registers; that block and HC post + mix with their loads issued first; the dp4a
+    GEMVs' x limbs four threads a chunk; the q_a norm inside q_b's limbs off the CSA layers; the
+    indexer's scores by one warp holding every head, and the top-k's first digit counted by it;
+    out_a's limbs made by the attention's combine; the routed gate+up on imma_iq2_xxs.py's int8
+    tensor cores instead of the dp4a GEMV; the split attention with one head a warp over 32-slot
+    tiles, its decoded tile held as bf16 (before it: float32; two heads a warp, its next tile loaded
+    while it scores this one, 2 tiles a split); HC pre's post + comb and the compressor on streams
+    of their own, and the CSA q_a norm made by its readers with the indexer's weights on a branch of
+    their own; out_a's weights prefetched into L2 beside the attention, by 8 blocks, and the next
+    layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
+    indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
+    SM-wide build of 3 tiles a block) or try a candidate (the q_a norm folded on every layer:
+    slower, the CSA layers' indexer path gets longer; the top-k's write-out placed from counts left
+    before its second barrier, one grid barrier fewer: not yet measured; the indexer query's
+    Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's
+    tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one launch (the last
+    block to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped; so were
+    the top-k's small threshold bin ranked on a list instead of a third digit pass, the router's
+    weights into L2 with out_a's and the next layer's idx_q_b with its q_a (+0.1%, +0.2%, 0.0%,
+    H100, 2026-12-06 (r)); the routing in the router GEMV's last block and q_a with its norm and
+    q_b's limbs in one launch: 7.134 / 7.207 against 7.023 ms, H100, 2026-12-06; and q's norm and
+    RoPE in HCA's tensor-core attention and that attention at 8 tiles a split: 6.982 / 7.033 against
+    6.954 ms (o); the first again with the two streams apart, 8.988 against 8.983 ms, and out_b's x
+    limbs made by out_a's GEMV, 9.510 against 9.320 ms (H200, 43 layers, 2026-12-06 (p)); out_b's
+    weights into L2 too, 6.826 against 6.681 ms, H100 (p); q_b's and idx_q_b's from the attention
+    sublayer's start, and the next layer's q_b beside the MoE, 6.785 / 6.686 against 6.573 ms, H100
+    (q)."""
     return {"as landed": {}, "one stream": dict(branches=False),
             "q_a norm folded on every layer": dict(fold_q_a_norm=True),
             "q_a norm as its own launch": dict(fold_q_a_norm=False),
@@ -280,6 +281,7 @@ def _decode_variants() -> dict:
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
+            "the top-k with one grid barrier fewer (candidate)": dict(topk_one_barrier=True),
             "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),

@@ -396,7 +396,16 @@ _MAX_BLOCKS = 1024
 _WS_GT = 3 * _HIST  # per-block counts of entries above the threshold key
 _WS_EQ = _WS_GT + _MAX_BLOCKS  # ... and equal to it
 _WS_BAR = _WS_EQ + _MAX_BLOCKS  # barrier: arrivals, generation (never cleared by the kernel)
-_WS_LEN = _WS_BAR + 2
+# One barrier fewer (``fused``): before the second digit's barrier each block also leaves its
+# count of entries above the first digit's threshold bin (in _WS_GT) and, for every second
+# digit d, its count of the bin's entries whose second digit is >= d (the suffix sums of its
+# histogram, _HIST ints a block); where two digits settle the pick (the usual case), each
+# block reads its place from the blocks before it there, and the last block to have read
+# the histograms (a count at _WS_READ) clears them.
+_MAX_CUM_BLOCKS = 256
+_WS_READ = _WS_BAR + 2
+_WS_CUM = _WS_READ + 2
+_WS_LEN = _WS_CUM + _MAX_CUM_BLOCKS * _HIST
 
 
 @_inline
@@ -549,11 +558,46 @@ def _write_picks(out, j0, gt, eq, ex, run_gt, run_eq, need):
             n_eq += 1
 
 
+@_inline
+def _suffix_counts(ws, base, hist, wsum, xch):
+    """ws[base + d] <- Σ hist[d'] over d' >= d, for the _HIST digits d (the block's
+    histogram in shared memory): thread t sums the t-th slice of the bins in descending
+    order, as _pick_digit, and a block scan places it. Every thread must call it."""
+    tid = cuda.threadIdx.x
+    per = (_HIST + cuda.blockDim.x - 1) // cuda.blockDim.x
+    v = 0
+    for r in range(tid * per, min(_HIST, tid * per + per)):
+        v += hist[_HIST - 1 - r]
+    incl, _ = _span_scan(v, wsum, xch)
+    cum = incl - v
+    for r in range(tid * per, min(_HIST, tid * per + per)):
+        cum += hist[_HIST - 1 - r]
+        ws[base + _HIST - 1 - r] = cum
+
+
+@_inline
+def _places_before(ws, b, d, found):
+    """(picks above the threshold key, entries equal to it) in blocks 0 .. b-1, from what
+    each left before the second digit's barrier (the fused path): above = its count above the
+    first digit's bin + its bin's entries whose second digit is > d; equal = those whose
+    second digit is d. Sums into found[0], found[1] (zeroed by the caller before a barrier);
+    every thread must call it."""
+    for i in range(cuda.threadIdx.x, b, cuda.blockDim.x):
+        c0 = ws[_WS_CUM + i * _HIST + d]
+        c1 = ws[_WS_CUM + i * _HIST + d + 1] if d + 1 < _HIST else 0
+        cuda.atomic.add(found, 0, ws[_WS_GT + i] + c1)
+        cuda.atomic.add(found, 1, c0 - c1)
+    cuda.syncthreads()
+    return int(found[0]), int(found[1])
+
+
 @device.kernel
-def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
+def _topk_radix_select(out_idx, bits, n_visible, ws, counted, fused):
     """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1], in ascending index order;
     ws[_WS_LEN] int32 scratch, its histograms zero on entry (and on exit) except, with
     ``counted``, the first digit's counts (ws[:_HIST], made by the scorer: that pass skipped).
+    ``fused``: where two digits settle the pick, one grid barrier fewer (_WS_CUM; at most
+    _MAX_CUM_BLOCKS blocks).
 
     Every block must be resident at once (grid barriers; the launcher sizes the grid)."""
     k = out_idx.shape[0]
@@ -568,6 +612,7 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
         return
     hist = cuda.shared.array(_HIST, int32)
     found = cuda.shared.array(3, int32)
+    above = cuda.shared.array(1, int32)  # (fused) entries above the first digit's bin
     wsum = cuda.shared.array(32, int32)
     xch = cuda.shared.array(_XCH, float32)
     chunk = (n + G - 1) // G  # block b owns entries [lo, hi): index order is rank order
@@ -588,35 +633,53 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     prefix = 0
     pmask = 0
     need = k  # how many of the entries matching ``prefix`` still belong to the top k
+    fast = False  # (grid-uniform) two digits settled it, with the fused counts left
+    digit = 0  # the last digit picked
     for p in range(3):
         shift = 21 - 11 * p if p < 2 else 0
         nb = _HIST if p < 2 else 1024
+        leave = fused != 0 and p == 1  # (grid-uniform) the fused path's counts
         if p > 0 or not counted:  # (grid-uniform)
             for i in range(tid, nb, nt):
                 hist[i] = 0
+            if tid == 0:
+                above[0] = 0
             cuda.syncthreads()
+            n_above = 0
             if one_span:
                 for i in range(_PER_THREAD):
                     u = keys[i]
                     if j0 + i < hi and (u & pmask) == prefix:
                         cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+                    elif j0 + i < hi and (u & pmask) > prefix:
+                        n_above += 1
             else:
                 for j in range(lo + tid, hi, nt):
                     u = _order_key(bits[j])
                     if (u & pmask) == prefix:
                         cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
+                    elif (u & pmask) > prefix:
+                        n_above += 1
+            if leave and n_above > 0:
+                cuda.atomic.add(above, 0, n_above)
             cuda.syncthreads()
             for i in range(tid, nb, nt):
                 if hist[i] > 0:
                     cuda.atomic.add(ws, p * _HIST + i, hist[i])
+            if leave:
+                _suffix_counts(ws, _WS_CUM + b * _HIST, hist, wsum, xch)
+                if tid == 0:
+                    ws[_WS_GT + b] = above[0]
             gen = _grid_barrier(ws, G, gen)
         _pick_digit(ws, p * _HIST, nb, need, wsum, xch, found)
         prefix |= int(found[0]) << shift
         pmask |= (nb - 1) << shift
         need -= int(found[1])
         done = int(found[2]) == need  # typical after two passes when no scores tie
+        digit = int(found[0])
         cuda.syncthreads()
         if done:
+            fast = leave
             break
     # entries whose digits so far beat ``prefix`` are picks, and the first ``need`` (in index
     # order) of those equal to it. Thread t owns _PER_THREAD consecutive entries of each span;
@@ -626,28 +689,42 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     if not one_span:
         _load_keys(keys, bits, j0, n)
     ex, first, gt, eq = _scan_span(keys, j0, hi, prefix, pmask, wsum, xch)
-    n_gt = first & 0xFFFF  # this block's counts
-    n_eq = first >> 16
-    for c0 in range(lo + span, hi, span):  # more spans: their counts only, for now
-        _load_keys(keys, bits, c0 + _PER_THREAD * tid, n)
-        _, last, _, _ = _scan_span(keys, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum, xch)
-        n_gt += last & 0xFFFF
-        n_eq += last >> 16
     if tid == 0:
-        ws[_WS_GT + b] = n_gt
-        ws[_WS_EQ + b] = n_eq
         found[0] = 0
         found[1] = 0
-    _grid_barrier(ws, G, gen)
-    if b == 0:  # every block has read the histograms (before the barrier): clear them
-        for i in range(tid, 3 * _HIST, nt):
-            ws[i] = 0
-    for i in range(tid, b, nt):  # the counts of the blocks before this one
-        cuda.atomic.add(found, 0, ws[_WS_GT + i])
-        cuda.atomic.add(found, 1, ws[_WS_EQ + i])
-    cuda.syncthreads()
-    run_gt = int(found[0])  # block-uniform from here on
-    run_eq = int(found[1])
+    if fast:  # (grid-uniform) the places from the counts left before the barrier
+        if tid == 0:  # this block has read the histograms: the last to have them clears them
+            cuda.threadfence()
+            found[2] = cuda.atomic.add(ws, _WS_READ, 1)
+        cuda.syncthreads()
+        if int(found[2]) == G - 1:
+            if tid == 0:
+                ws[_WS_READ] = 0
+            for i in range(tid, 2 * _HIST, nt):
+                ws[i] = 0
+        run_gt, run_eq = _places_before(ws, b, digit, found)
+    else:
+        n_gt = first & 0xFFFF  # this block's counts
+        n_eq = first >> 16
+        for c0 in range(lo + span, hi, span):  # more spans: their counts only, for now
+            _load_keys(keys, bits, c0 + _PER_THREAD * tid, n)
+            _, last, _, _ = _scan_span(keys, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum,
+                                       xch)
+            n_gt += last & 0xFFFF
+            n_eq += last >> 16
+        if tid == 0:
+            ws[_WS_GT + b] = n_gt
+            ws[_WS_EQ + b] = n_eq
+        _grid_barrier(ws, G, gen)
+        if b == 0:  # every block has read the histograms (before the barrier): clear them
+            for i in range(tid, 3 * _HIST, nt):
+                ws[i] = 0
+        for i in range(tid, b, nt):  # the counts of the blocks before this one
+            cuda.atomic.add(found, 0, ws[_WS_GT + i])
+            cuda.atomic.add(found, 1, ws[_WS_EQ + i])
+        cuda.syncthreads()
+        run_gt = int(found[0])  # block-uniform from here on
+        run_eq = int(found[1])
     for c0 in range(lo, hi, span):
         last = first
         if c0 > lo:  # a later span: its entries and scan again
@@ -676,7 +753,8 @@ def default_topk_workspace(stream=0):
 
 
 def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool = False,
-         work=None, blocks=None, first_digit_counted: bool = False) -> None:
+         work=None, blocks=None, first_digit_counted: bool = False,
+         one_barrier: bool = False) -> None:
     """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
 
     The picks come in ascending index order (the naive kernel: by rank); ties at the k-th
@@ -686,6 +764,9 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
     ``blocks``: the grid (benchmarks; default one block per ~4 entries a thread, <= SMs).
     ``first_digit_counted``: the scorer has counted the first radix digit of these scores into
     ``work`` (indexer_scores(..., top_k=(work, k))), so that pass is skipped.
+    ``one_barrier``: where two digits settle the pick, the write-out takes its places from
+    counts each block left before the second digit's barrier instead of a barrier of its own
+    (the kernel's ``fused``; at most _MAX_CUM_BLOCKS blocks, more take the two barriers).
     """
     if out_idx.shape[0] != k:
         raise ValueError(f"topk: out_idx has {out_idx.shape[0]} slots, k = {k}")
@@ -701,8 +782,9 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
     if blocks is None:
         blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
     assert 1 <= blocks <= max(1, device.sm_count()), "topk: every block must be resident"
+    fused = int(one_barrier and blocks <= _MAX_CUM_BLOCKS)
     _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work,
-                                           int(first_digit_counted))
+                                           int(first_digit_counted), fused)
 
 
 # ---- top-k: chunk form, one block per token ---------------------------------------------------
@@ -925,7 +1007,8 @@ PTX_SIGNATURES = [
     (_V4_SCORERS[0], _SCORES_SIG),
     (_V4_SCORERS[1], _CHUNK_SIG),
     (_topk_rank, "void(int32[::1], float32[::1], int32[::1])"),
-    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1], int64)"),
+    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1], int64, "
+                         "int64)"),
     (_topk_chunk_kernel(_CAND), "void(int32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 

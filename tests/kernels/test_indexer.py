@@ -1,11 +1,11 @@
 """Lightning indexer kernels vs their NumPy references (simulator in CI; a GPU with CUDASIM=0)."""
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, int32
 
 from kernels.kernel_testing import THREADS, fresh_rng, poisoned, rel_err
 from pocketfm import ops
-from pocketfm.kernels import indexer as ix
+from pocketfm.kernels import indexer as ix, indexer_warp
 from pocketfm.kernels.device import SIMULATOR
 
 DI = 128  # V4 index dim: 68-byte keys
@@ -84,23 +84,23 @@ def ascending(ref):
     return picks + [-1] * (len(ref) - len(picks))
 
 
-def run_topk(scores, n, k, naive, work=None, threads=THREADS):
+def run_topk(scores, n, k, naive, work=None, threads=THREADS, one_barrier=False, blocks=None):
     out = cuda.to_device(np.full(k, -7, np.int32))
     ix.topk(out, cuda.to_device(scores.astype(np.float32)), cuda.to_device(np.array([n], np.int32)),
-            k, threads=threads, naive=naive, work=work)
+            k, threads=threads, naive=naive, work=work, one_barrier=one_barrier, blocks=blocks)
     ref = np.empty(k, np.int32)
     ix.topk_ref(ref, scores, np.array([n]), k)
     return out.copy_to_host(), ref
 
 
-@pytest.mark.parametrize("naive", [True, False])
-def test_topk_distinct_scores(naive):
+@pytest.mark.parametrize("naive,one_barrier", [(True, False), (False, False), (False, True)])
+def test_topk_distinct_scores(naive, one_barrier):
     rng = fresh_rng()
     N, n, k = (301, 283, 24) if SIMULATOR else (30_011, 29_989, 512) if naive else (
         262_144, 262_139, 512)
     scores = rng.permutation(N).astype(np.float32) * np.float32(0.37) - np.float32(N / 5)
     scores[n:] = 1e9  # invisible entries never win
-    out, ref = run_topk(scores, n, k, naive)
+    out, ref = run_topk(scores, n, k, naive, one_barrier=one_barrier)
     assert sorted(out) == sorted(ref)
     if naive:
         assert np.array_equal(out, ref)  # rank order: exactly the reference's order
@@ -111,16 +111,18 @@ def test_topk_distinct_scores(naive):
     assert set(alt[0]) == set(ref)  # no ties: the reference agrees with the model's op
 
 
-@pytest.mark.parametrize("naive,threads", [(True, THREADS), (False, THREADS),
-                                           (False, 96 if SIMULATOR else 512)])
-def test_topk_ties_go_to_the_lowest_index(naive, threads):
-    # (several warps: the digit picks' scans cross warps)
+@pytest.mark.parametrize("naive,threads,one_barrier", [
+    (True, THREADS, False), (False, THREADS, False), (False, 96 if SIMULATOR else 512, False),
+    (False, 96 if SIMULATOR else 512, True)])
+def test_topk_ties_go_to_the_lowest_index(naive, threads, one_barrier):
+    # (several warps: the digit picks' scans cross warps; ties: the fused kernel's two
+    # barriers' path)
     rng = fresh_rng()
     N, n, k = (257, 250, 20) if SIMULATOR else (20_003, 19_999, 512) if naive else (
         100_003, 99_999, 512)
     scores = rng.integers(0, 6, size=N).astype(np.float32) - 2.0  # heavy ties, -0/+0 too
     scores[rng.integers(0, n, size=5)] = -0.0
-    out, ref = run_topk(scores, n, k, naive, threads=threads)
+    out, ref = run_topk(scores, n, k, naive, threads=threads, one_barrier=one_barrier)
     assert sorted(out) == sorted(ref)
     assert naive or list(out) == ascending(ref)
     top = np.sort(scores[:n])[::-1]
@@ -135,11 +137,13 @@ def test_topk_fewer_visible_than_k(naive):
     assert naive or list(out) == list(range(13)) + [-1] * 19
 
 
-def test_topk_reuses_its_workspace():
+@pytest.mark.parametrize("one_barrier", [False, True])
+def test_topk_reuses_its_workspace(one_barrier):
     """The radix kernel leaves its barrier's arrival count and its histograms at zero, and each
     launch reads the barrier's generation where the last left it: back-to-back calls (ties at
     the cut in some, so they take all three digit passes; on a GPU over ~35 blocks, so every
-    grid barrier waits) stay correct."""
+    grid barrier waits) stay correct; with one barrier fewer too (its readers' count back at
+    zero, the histograms cleared by the last of them)."""
     work = ix.topk_workspace()
     rng = fresh_rng()
     N = 101 if SIMULATOR else 70_001
@@ -149,10 +153,81 @@ def test_topk_reuses_its_workspace():
         scores = rng.normal(size=N).astype(np.float32)
         if ties:
             scores = np.round(scores * 4).astype(np.float32)
-        out, ref = run_topk(scores, n, 16 if SIMULATOR else 512, False, work)
+        out, ref = run_topk(scores, n, 16 if SIMULATOR else 512, False, work,
+                            one_barrier=one_barrier)
         assert list(out) == ascending(ref)
     left = work.copy_to_host()
-    assert not left[:3 * ix._HIST].any() and left[ix._WS_BAR] == 0
+    assert not left[:3 * ix._HIST].any() and left[ix._WS_BAR] == 0 and left[ix._WS_READ] == 0
+
+
+def _first_two_digits(scores, n, k):
+    """(the first digit's threshold bin d0, entries above it, the bin's second digits) of the
+    radix select over scores[:n] (order keys' bits 31..21 and 20..10)."""
+    keys = np.array([indexer_warp.order_key(b) for b in scores[:n].view(np.uint32)], np.int64)
+    d0 = int(np.sort(keys)[::-1][k - 1] >> 21)
+    first = keys >> 21
+    return d0, int((first > d0).sum()), (keys[first == d0] >> 10) & (ix._HIST - 1)
+
+
+@pytest.mark.parametrize("threads", [THREADS, 96 if SIMULATOR else 1024])  # spans; one span
+def test_topk_one_barrier_leaves_its_counts(threads):
+    """The fused path's counts (one block in the simulator; on a GPU, many, the tests above):
+    the entries above the first digit's threshold bin, and for every second digit d the bin's
+    entries whose digit is >= d, as NumPy counts them; and the write-out took its places from
+    them (the two-barrier write-out's count of equal entries, in _WS_EQ, never written)."""
+    rng = fresh_rng()
+    N, n, k = (301, 290, 24) if SIMULATOR else (70_001, 69_000, 512)
+    scores = rng.normal(size=N).astype(np.float32)
+    for one_barrier in (True, False):
+        host = np.zeros(ix._WS_LEN, np.int32)
+        host[ix._WS_EQ] = -5
+        work = cuda.to_device(host)
+        out, ref = run_topk(scores, n, k, False, work, threads=threads,
+                            one_barrier=one_barrier, blocks=1)
+        assert list(out) == ascending(ref)
+        left = work.copy_to_host()
+        assert (left[ix._WS_EQ] == -5) == one_barrier
+    d0, above, second = _first_two_digits(scores, n, k)
+    work = ix.topk_workspace()
+    run_topk(scores, n, k, False, work, threads=threads, one_barrier=True, blocks=1)
+    left = work.copy_to_host()
+    cum = np.array([(second >= d).sum() for d in range(ix._HIST)])
+    assert left[ix._WS_GT] == above
+    assert np.array_equal(left[ix._WS_CUM:ix._WS_CUM + ix._HIST], cum)
+
+
+def test_the_places_before_a_block_come_from_the_counts_left():
+    """_places_before: block b's picks above the threshold key and entries equal to it in the
+    blocks before it, from each one's count above the first digit's bin and its suffix counts
+    of the second digit (d = the last bin too, where there is no d + 1)."""
+    rng = fresh_rng()
+    G = 5
+    ws = np.zeros(ix._WS_LEN, np.int32)
+    hists = rng.integers(0, 3, size=(G, ix._HIST))
+    for i in range(G):
+        ws[ix._WS_GT + i] = rng.integers(0, 50)
+        ws[ix._WS_CUM + i * ix._HIST:ix._WS_CUM + (i + 1) * ix._HIST] = np.cumsum(
+            hists[i][::-1])[::-1]
+
+    @cuda.jit
+    def places(ws, b, d, got):
+        found = cuda.shared.array(3, int32)
+        if cuda.threadIdx.x == 0:
+            found[0] = 0
+            found[1] = 0
+        cuda.syncthreads()
+        a, e = ix._places_before(ws, b, d, found)
+        if cuda.threadIdx.x == 0:
+            got[0] = a
+            got[1] = e
+
+    wd = cuda.to_device(ws)
+    for b, d in ((0, 7), (3, 100), (5, ix._HIST - 1), (4, 0)):
+        got = cuda.to_device(np.zeros(2, np.int64))
+        places[1, 32](wd, b, d, got)
+        above = sum(int(ws[ix._WS_GT + i]) + int(hists[i][d + 1:].sum()) for i in range(b))
+        equal = sum(int(hists[i][d]) for i in range(b))
+        assert list(got.copy_to_host()) == [above, equal], (b, d)
 
 
 def run_topk_chunk(scores, nv, k, threads=THREADS, cand=ix._CAND, tie_list=ix._TIE_LIST):
