@@ -396,12 +396,13 @@ def test_the_scorer_reading_q_fragments_changes_no_logit():
         assert np.array_equal(logits["fragments"][how], logits["staged"][how]), how
 
 
-@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the top-k's many blocks)")
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the one-launch query)")
 def test_the_top_k_with_one_barrier_fewer_changes_no_logit():
     """DecodeEngine.topk_one_barrier: the top-k's write-out placed from the counts each block
     left before its second digit's barrier: the same picks in the same order, so the same
     logits bit for bit, eager and replayed (replays: the readers' count and the histograms
-    back at zero)."""
+    back at zero). The CSA layer's 1,024 keys here take one block: the many-block path is
+    tests/kernels/test_indexer.py's on a GPU."""
     logits = _flash_4_layer_logits({"two": dict(topk_one_barrier=False),
                                     "one": dict(topk_one_barrier=True)}, graph=True)
     for how in (0, 1):  # eager, replayed
