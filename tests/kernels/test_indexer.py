@@ -177,7 +177,15 @@ def test_topk_one_barrier_leaves_its_counts(threads):
     them (the two-barrier write-out's count of equal entries, in _WS_EQ, never written)."""
     rng = fresh_rng()
     N, n, k = (301, 290, 24) if SIMULATOR else (70_001, 69_000, 512)
-    scores = rng.normal(size=N).astype(np.float32)
+    # settled at exactly two digits (random scores are not always: the k-th may share its
+    # 22-bit prefix, or be the last of its first digit's bin): the top k at 1.5 + (16 + i)·2**-12
+    # and 16 more at 1.5 + m·2**-12, all in the first digit's bin [1.5, 1.75), their 22-bit
+    # prefixes distinct (13 mantissa bits: steps of 2**-13 there), the rest at most 1.0
+    scores = np.minimum(rng.normal(size=N), 1.0).astype(np.float32)
+    picked = rng.choice(n, k + 16, replace=False)
+    scores[picked[:k]] = 1.5 + 2.0 ** -12 * (16 + np.arange(1, k + 1))
+    scores[picked[k:]] = 1.5 + 2.0 ** -12 * np.arange(16)
+    assert len(set(np.float32(scores[picked]).view(np.uint32) >> 10)) == k + 16
     for one_barrier in (True, False):
         host = np.zeros(ix._WS_LEN, np.int32)
         host[ix._WS_EQ] = -5
