@@ -656,7 +656,6 @@ def _head_warp_kernel(K: int, R: int, NT: int, BF16: bool = False):
     if K % 128 or K > 32 * DPL or (K - R) % 64 or R % 32 or NT not in (32, 64, 128, 256, 512):
         raise ValueError(f"attention_decode: no head-warp layout for K={K}, R={R}, threads={NT}")
     ND = K // 32  # dims per lane: see _group_dim
-    BF = BF16
     DG = 8 if BF16 and K % 256 == 0 else 4  # a lane's consecutive dims (128-bit loads)
     NOPE = K - R
     NFP8 = NOPE // 4  # words of FP8 codes, then R/2 words of bf16 pairs, then the scales
@@ -718,7 +717,7 @@ def _head_warp_kernel(K: int, R: int, NT: int, BF16: bool = False):
             empty = cw[kk] < 0
             for j in range(NI):
                 o = kk * K + (4 * (w0 + TPK * j) if j < NF else NOPE + 2 * (w0 + TPK * (j - NF)))
-                if BF:
+                if BF16:
                     _store_word_bf16(smem_u, o, j < NF, empty, int(wb[j]), int(sb[j]))
                 else:
                     _store_word(smem, smem_u, o, j < NF, empty, int(wb[j]), int(sb[j]))
@@ -731,7 +730,7 @@ def _head_warp_kernel(K: int, R: int, NT: int, BF16: bool = False):
                 _fetch_key(wb, sb, win, comp, nw[kk], w0, TPK, NI, NF, SB)
             if live:
                 m, l = _head_tile(smem, smem_u, cw, min(KH, s1 - t0), qr, kv, v, acc, m, l,
-                                  lane, wid, red, K, ND, PS, XS, BF, DG)
+                                  lane, wid, red, K, ND, PS, XS, BF16, DG)
             cuda.syncthreads()  # the tile is read: the next one may overwrite it
             cur = 1 - cur
         b = cuda.blockIdx.x

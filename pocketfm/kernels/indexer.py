@@ -444,6 +444,21 @@ assert indexer_warp.FIRST_DIGIT_BINS == _HIST and indexer_warp.FIRST_DIGIT_SHIFT
 
 
 @_inline
+def _descending_slice(h, base, nb, wsum, xch):
+    """Thread t's slice of the nb bins h[base + d] in descending order, d = nb - 1 - r for r
+    in [r0, r1), and how many entries the bins above it hold (a block scan of the slices'
+    sums): (that count, the slice's total with it, r0, r1). Every thread must call it."""
+    per = (nb + cuda.blockDim.x - 1) // cuda.blockDim.x
+    r0 = cuda.threadIdx.x * per
+    r1 = min(nb, r0 + per)
+    v = 0
+    for r in range(r0, r1):
+        v += h[base + nb - 1 - r]
+    incl, _ = _span_scan(v, wsum, xch)
+    return incl - v, incl, r0, r1
+
+
+@_inline
 def _pick_digit(h, base, nb, need, wsum, xch, found):
     """The digit of the ``need``-th largest entry, from the counts h[base + d] of the nb digits:
     thread t sums the t-th slice of the bins in descending order and a block scan places it
@@ -451,16 +466,9 @@ def _pick_digit(h, base, nb, need, wsum, xch, found):
     had 19 barriers). Sets found[0] = the digit, found[1] = the entries in higher bins,
     found[2] = in its bin; every thread must call it (whole warps), and reads ``found`` after
     its closing barrier."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    per = (nb + nt - 1) // nt
-    v = 0
-    for r in range(tid * per, min(nb, tid * per + per)):
-        v += h[base + nb - 1 - r]
-    incl, _ = _span_scan(v, wsum, xch)
-    cum = incl - v
+    cum, incl, r0, r1 = _descending_slice(h, base, nb, wsum, xch)
     if cum < need and need <= incl:
-        for r in range(tid * per, min(nb, tid * per + per)):
+        for r in range(r0, r1):
             c = h[base + nb - 1 - r]
             if cum + c >= need:
                 found[0] = nb - 1 - r
@@ -561,16 +569,10 @@ def _write_picks(out, j0, gt, eq, ex, run_gt, run_eq, need):
 @_inline
 def _suffix_counts(ws, base, hist, wsum, xch):
     """ws[base + d] <- Σ hist[d'] over d' >= d, for the _HIST digits d (the block's
-    histogram in shared memory): thread t sums the t-th slice of the bins in descending
-    order, as _pick_digit, and a block scan places it. Every thread must call it."""
-    tid = cuda.threadIdx.x
-    per = (_HIST + cuda.blockDim.x - 1) // cuda.blockDim.x
-    v = 0
-    for r in range(tid * per, min(_HIST, tid * per + per)):
-        v += hist[_HIST - 1 - r]
-    incl, _ = _span_scan(v, wsum, xch)
-    cum = incl - v
-    for r in range(tid * per, min(_HIST, tid * per + per)):
+    histogram in shared memory), over _descending_slice's slices as _pick_digit. Every thread
+    must call it."""
+    cum, _, r0, r1 = _descending_slice(hist, 0, _HIST, wsum, xch)
+    for r in range(r0, r1):
         cum += hist[_HIST - 1 - r]
         ws[base + _HIST - 1 - r] = cum
 
