@@ -356,13 +356,18 @@ def inspect(path, all_keys):
                    "launch; the indexer scorer staging q instead of reading the query's "
                    "fragments; the routed gate+up's imma blocks of one tile instead of the "
                    "SM-wide build) or try a candidate (the q_a norm folded on every layer; the "
-                   "top-k with one grid barrier fewer; the indexer query's Hadamard a warp a "
-                   "vector; the routed gate+up's SM-wide build of 4 tiles a block; the routed "
-                   "down on the int8 tensor cores too), each step captured anew, in turn, twice: "
-                   "an A/B in one process.")
+                   "indexer query's Hadamard a warp a vector; the routed gate+up's SM-wide build "
+                   "of 4 tiles a block; the routed down on the int8 tensor cores too), each step "
+                   "captured anew, in turn, twice: an A/B in one process.")
 @click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",
               help="--decode-ab with only the variants whose names contain TEXT (any of them "
                    "when repeated; case-insensitive), beside the step as landed.")
+@click.option("--decode-without", "decode_without", multiple=True, metavar="REGEX",
+              help="Then time the decode steps again without the launches of the kernels whose "
+                   "names match REGEX (as ncu shows them, e.g. _route_group_rank; one row each, "
+                   "beside the step as landed): what those launches cost the step, the most that "
+                   "fusing them away could save. Timing only: the outputs of those steps are "
+                   "wrong.")
 @click.option("--prefill", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also prefill this many random tokens after the --ctx fill, in chunks "
                    "(timed: prefill tok/s at that depth); decode then runs after them.")
@@ -390,8 +395,8 @@ def inspect(path, all_keys):
                    "tok/s then counts N layers' work, not the model's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, ncu_chunk,
-          prefill_ab, decode_ab, decode_ab_only, prefill, prefill_chunk, kv_swap, gpu_chunks,
-          interval, churn, commit_lag, layers, as_json):
+          prefill_ab, decode_ab, decode_ab_only, decode_without, prefill, prefill_chunk, kv_swap,
+          gpu_chunks, interval, churn, commit_lag, layers, as_json):
     """Decode (and prefill) speed on the GPU at a model geometry and context, no model file.
 
     Weights are made on the GPU in the type mix of make-model; the context is a synthetic
@@ -427,6 +432,11 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, n
             names = "; ".join(decode_variant_names([""])[1:])
             raise InputError(f"--decode-ab-only {' / '.join(decode_ab_only)}: no --decode-ab "
                              f"variant's name contains it; the names: {names}")
+    if decode_without:
+        from .engine.bench import check_without
+
+        for pattern in decode_without:
+            check_without(pattern)
     resolve_device("cuda")
     from .engine.bench import run_bench
 
@@ -446,17 +456,17 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, n
         if ctx // 4 <= slots:
             raise InputError(f"--kv-swap: --ctx {ctx} has {ctx // 4} chunks, not more than the "
                              f"{slots} staging slots: nothing to swap")
-        if profile or ncu or ncu_chunk or decode_ab:
+        if profile or ncu or ncu_chunk or decode_ab or decode_without:
             flag = ("--profile" if profile else "--ncu-step" if ncu_step else
                     "--ncu-graph" if ncu_graph else "--ncu-chunk" if ncu_chunk else
-                    "--decode-ab")
+                    "--decode-ab" if decode_ab else "--decode-without")
             raise InputError(f"{flag}: not with --kv-swap (profile the step without it)")
     elif gpu_chunks is not None or commit_lag is not None:
         raise InputError(f"--{'gpu-chunks' if gpu_chunks is not None else 'commit-lag'}: only "
                          "meaningful with --kv-swap")
     r = run_bench(cfg, ctx, tokens, quant, seed, progress, profile, prefill, prefill_chunk,
                   slots, interval, churn, commit_lag, ncu=ncu, ncu_prefill=ncu_chunk,
-                  prefill_ab=prefill_ab, decode_ab=decode_ab)
+                  prefill_ab=prefill_ab, decode_ab=decode_ab, decode_without=decode_without)
     if as_json:
         click.echo(json.dumps(dict(preset=preset_name, layers=cfg.n_layers, **r)))
         return
@@ -475,7 +485,9 @@ def bench(preset_name, ctx, tokens, quant, seed, profile, ncu_step, ncu_graph, n
     if "decode_ab" in r:
         click.echo("decode A/B, ms a step (best / median of 2, each captured anew):")
         for variant, t in r["decode_ab"].items():
-            click.echo(f"  {variant:<36} {t['best_ms']:.3f} / {t['median_ms']:.3f}")
+            left = t.get("left_out")
+            left = "" if left is None else f" ({sum(left.values())} launches a step left out)"
+            click.echo(f"  {variant:<36} {t['best_ms']:.3f} / {t['median_ms']:.3f}{left}")
     if kv_swap:
         st = r["kv_swap"]
         click.echo(f"kv swap: {st['gpu_chunks']} slots x {st['layers']} CSA layers, pinned pool "

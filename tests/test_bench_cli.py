@@ -126,6 +126,50 @@ def test_decode_variants_time_the_step_and_restore_the_settings(micro_path):
     assert eng.branches and eng._graph is None
 
 
+def test_decode_without_leaves_the_kernels_launches_out(micro_path):
+    """`bench --decode-without REGEX` in the simulator: its row is the step as landed without
+    the launches of the kernels the pattern names (counted, one step's), which leave their
+    outputs as they were; the pattern holds only for its row, and a top-k left out leaves its
+    workspace zeroed for the rows after it (the scorer counts into it)."""
+    import numpy as np
+
+    from pocketfm.engine.bench import time_decode_variants, without_row
+    from pocketfm.generate import load
+    from pocketfm.kernels import leave_out
+    from pocketfm.kernels.indexer import default_topk_workspace
+
+    eng = load(micro_path, device="cuda").engine(8)
+    eng.start([1, 72, 305, 17])
+    cfg, ids = eng.cfg, eng.moe.ids
+    stale = np.arange(cfg.n_experts_used, dtype=np.int32)[::-1].reshape(ids.shape) + 1
+    ids.copy_to_device(np.ascontiguousarray(stale))
+    r = time_decode_variants(eng, 0, 1, rounds=1, names=[], without=["route_group_rank"])
+    row = without_row("route_group_rank")
+    assert list(r) == [row] and r[row]["best_ms"] > 0
+    assert r[row]["left_out"] == {"_route_group_rank": cfg.n_layers}  # one a MoE sublayer
+    assert np.array_equal(ids.copy_to_host(), stale)  # the routing never ran
+    assert not leave_out._PATTERNS
+    r = time_decode_variants(eng, 0, 1, rounds=1, names=["as landed"])
+    assert "left_out" not in r["as landed"] and not np.array_equal(ids.copy_to_host(), stale)
+    work = default_topk_workspace(eng.stream)
+    work.copy_to_device(np.full(work.size, 3, np.int32))  # (as counts no top-k cleared)
+    r = time_decode_variants(eng, 0, 1, rounds=1, names=[], without=["topk_radix"])
+    csa = sum(cfg.is_csa(i) for i in range(cfg.n_layers))
+    assert r[without_row("topk_radix")]["left_out"] == {"_topk_radix_select": csa} and csa
+    assert not work.copy_to_host().any()
+
+
+def test_decode_without_bad_patterns():
+    """--decode-without: not a regular expression, or the scorer without the top-k that reads
+    its counts: one line, exit 2, before any weights are made."""
+    for pattern, says in (("(", "not a regular expression"),
+                          ("scores_warp", "leaves out the indexer scorer but not the top-k")):
+        code, _, err = bench("--preset", "tiny", "--ctx", "64", "--decode-without", pattern)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert lines[0].startswith(f"error: --decode-without {pattern!r}: {says}"), err
+
+
 def test_decode_ab_only_keeps_the_variants_named():
     """--decode-ab-only TEXT: the step as landed and the variants whose names contain TEXT
     (any of several, case-insensitive); one that names none is refused with the names."""
@@ -142,9 +186,11 @@ def test_decode_ab_only_keeps_the_variants_named():
 
 
 def test_bench_profiling_is_refused_with_kv_swap():
-    for flag in ("--profile", "--ncu-step", "--ncu-graph", "--ncu-chunk", "--decode-ab"):
+    for flag in ("--profile", "--ncu-step", "--ncu-graph", "--ncu-chunk", "--decode-ab",
+                 "--decode-without"):
+        extra = ["scores_warp|topk"] if flag == "--decode-without" else []  # (a valid one)
         code, _, err = bench("--preset", "tiny", "--ctx", "420", "--kv-swap", "--gpu-chunks",
-                             "100", flag)
+                             "100", flag, *extra)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag}:"), err
 

@@ -396,19 +396,6 @@ def test_the_scorer_reading_q_fragments_changes_no_logit():
         assert np.array_equal(logits["fragments"][how], logits["staged"][how]), how
 
 
-@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the one-launch query)")
-def test_the_top_k_with_one_barrier_fewer_changes_no_logit():
-    """DecodeEngine.topk_one_barrier: the top-k's write-out placed from the counts each block
-    left before its second digit's barrier: the same picks in the same order, so the same
-    logits bit for bit, eager and replayed (replays: the readers' count and the histograms
-    back at zero). The CSA layer's 1,024 keys here take one block: the many-block path is
-    tests/kernels/test_indexer.py's on a GPU."""
-    logits = _flash_4_layer_logits({"two": dict(topk_one_barrier=False),
-                                    "one": dict(topk_one_barrier=True)}, graph=True)
-    for how in (0, 1):  # eager, replayed
-        assert np.array_equal(logits["one"][how], logits["two"][how]), how
-
-
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the split attention)")
 def test_the_bf16_attention_tile_changes_the_logits_by_rounding_only():
     """DecodeEngine.attn_bf16_tile: the head-warp attention's tile as bf16 holds the same

@@ -16,9 +16,10 @@ import numpy as np
 from numba import cuda
 
 from ..config import ModelConfig
-from ..kernels import device
+from ..errors import InputError
+from ..kernels import device, leave_out
 from ..kernels.attention import random_packed_kv
-from ..kernels.indexer import random_packed_keys
+from ..kernels.indexer import default_topk_workspace, random_packed_keys
 from ..kernels.kvpack import index_key_bytes
 from ..plan import DEFAULT_PREFILL_CHUNK
 from . import step_kernels as sk
@@ -255,10 +256,11 @@ def _decode_variants() -> dict:
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block) or try a candidate (the q_a norm folded on every layer:
-    slower, the CSA layers' indexer path gets longer; the top-k's write-out placed from counts left
-    before its second barrier, one grid barrier fewer: not yet measured; the indexer query's
+    slower, the CSA layers' indexer path gets longer; the indexer query's
     Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's
-    tensor cores too: slower, H200, 2026-12-06 (l)). HC pre's mix and u in one launch (the last
+    tensor cores too: slower, H200, 2026-12-06 (l)). The top-k's write-out placed from counts
+    left before its second grid barrier, one barrier fewer, was a candidate too: 5.942 against
+    5.918 ms, H100, 30 layers, 2026-12-07 (aa), dropped. HC pre's mix and u in one launch (the last
     block to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped; so were
     the top-k's small threshold bin ranked on a list instead of a third digit pass, the router's
     weights into L2 with out_a's and the next layer's idx_q_b with its q_a (+0.1%, +0.2%, 0.0%,
@@ -281,7 +283,6 @@ def _decode_variants() -> dict:
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
-            "the top-k with one grid barrier fewer (candidate)": dict(topk_one_barrier=True),
             "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),
@@ -338,30 +339,66 @@ def decode_variant_names(texts) -> list:
                             if n != "as landed" and any(t in n.lower() for t in wanted)]
 
 
-def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None) -> dict:
+def without_row(pattern: str) -> str:
+    """The --decode-without row of a kernel-name pattern."""
+    return f"without /{pattern}/ (timing only)"
+
+
+def check_without(pattern: str) -> None:
+    """InputError unless ``pattern`` is a regular expression the step can be timed without:
+    the indexer scorer counts the top-k's first digit into the top-k's workspace, so a pattern
+    leaving out the scorer must leave out the top-k too (the top-k would pick from counts of
+    nothing, and write its picks past its slots)."""
+    import re
+
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise InputError(f"--decode-without {pattern!r}: not a regular expression ({e})")
+    if rx.search("_indexer_scores_warp") and not rx.search("_topk_radix_select"):
+        raise InputError(f"--decode-without {pattern!r}: leaves out the indexer scorer but not "
+                         "the top-k, which reads the scorer's counts: add |topk")
+
+
+def time_decode_variants(eng, p0: int, steps: int, rounds: int = 2, names=None,
+                         without=()) -> dict:
     """The decode steps at positions p0 .. p0+steps-1 again under each variant of
     _decode_variants (``names``: a subset), in turn ``rounds`` times, in one process. Each
     variant's step is captured anew (an eager step, then the capture, at p0 and p0 + 1) and
-    then replayed from p0 again, so every variant does the same positions' work. ->
-    {variant: {"best_ms", "median_ms"}}, GPU ms a step (CUDA events)."""
+    then replayed from p0 again, so every variant does the same positions' work. ``without``:
+    kernel-name patterns (leave_out.py), each a row of the step as landed with those kernels'
+    launches left out (timing only: what they cost the step; ``left_out``: the launches a step
+    left out, by kernel). -> {variant: {"best_ms", "median_ms"[, "left_out"]}}, GPU ms a step
+    (CUDA events)."""
     variants = _decode_variants()
     names = list(variants) if names is None else list(names)
+    patterns = {without_row(p): p for p in without}
+    names += [n for n in patterns if n not in names]
     s = eng.stream
+    left = {}
 
     def run(name):
-        with eng.settings(**variants[name]):
+        with eng.settings(**variants.get(name, {})), leave_out.leaving_out(
+                patterns.get(name)) as counts:
             eng.set_position(p0)
             eng.step()  # eager (compiles what only this variant launches)
+            left[name] = dict(counts)  # (one step's; the capture's are counted after it)
             if not device.SIMULATOR:
                 eng.step()  # captured, replayed once
             eng.set_position(p0)
-            return _timed(lambda: [eng.step() for _ in range(steps)], s) / steps
+            ms = _timed(lambda: [eng.step() for _ in range(steps)], s) / steps
+        if name in patterns:  # a top-k left out leaves the scorer's counts in its workspace
+            work = default_topk_workspace(s)
+            sk.fill_words(work.view(np.uint32).reshape(1, work.size), 0, s)
+        return ms
 
     times = {n: [] for n in names}
     for _ in range(rounds):
         for n in names:
             times[n].append(run(n))
-    return {n: dict(best_ms=min(v), median_ms=float(np.median(v))) for n, v in times.items()}
+    return {n: dict(best_ms=min(v), median_ms=float(np.median(v)),
+                    **({"left_out": left[n]} if n in patterns else {}))
+            for n, v in times.items()}
 
 
 # the launchers a prefill chunk calls, by module (prefill's imports; hmma.py's GEMM and x
@@ -551,7 +588,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_swap: int = 0, interval: int = 64,
               churn: float = 0.1, lag: int | None = None, ncu: bool | str = False,
               ncu_prefill: bool = False, prefill_ab: bool = False,
-              decode_ab: bool | list = False) -> dict:
+              decode_ab: bool | list = False, decode_without=()) -> dict:
     """Build the engine for ``cfg`` on the GPU, fill ``ctx`` positions, prefill ``prefill``
     more tokens in chunks (timed), then time ``tokens`` decode steps. ``kv_swap`` K > 0: with
     the KV swapped through K staging slots (``bench_kv_swap``), each set in force ``lag``
@@ -560,7 +597,8 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     ``ncu_prefill``: the last prefill chunk again for it (``ncu_chunk``); ``prefill_ab``: the
     last prefill chunk again under each of time_prefill_variants' variants (``prefill_ab`` in
     the result); ``decode_ab``: the timed decode steps again under each of
-    time_decode_variants' variants (``decode_ab``; a list: those named)."""
+    time_decode_variants' variants (``decode_ab``; a list: those named), and without the
+    launches of the kernels each pattern of ``decode_without`` names (rows of ``decode_ab``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
     stream = cuda.stream()
@@ -608,9 +646,10 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     step_ms = _timed(lambda: [eng.step() for _ in range(tokens)], stream) / tokens
     extra = {}
     free1, _ = cuda.current_context().get_memory_info()  # (before the A/B's graphs and buffers)
-    if decode_ab:
-        names = decode_ab if isinstance(decode_ab, list) else None
-        extra["decode_ab"] = time_decode_variants(eng, p0, tokens, names=names)
+    if decode_ab or decode_without:
+        names = decode_ab if isinstance(decode_ab, list) else None if decode_ab else ["as landed"]
+        extra["decode_ab"] = time_decode_variants(eng, p0, tokens, names=names,
+                                                  without=decode_without)
     nb = bytes_per_token(eng, ctx)
     used = None if device.SIMULATOR else int(free0 - free1)  # (the simulator has no memory)
     if profile and not device.SIMULATOR:

@@ -237,11 +237,9 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
-        # candidate: the top-k's write-out taking its places from counts each block leaves
-        # before the second digit's grid barrier (where two digits settle the pick), one grid
-        # barrier fewer on every CSA layer's path (indexer.topk one_barrier; its barriers:
-        # 32% of its samples under Nsight, H100, BENCHMARKS 2026-12-07 (x)). Not yet measured
-        self.topk_one_barrier = False
+        # (the top-k's write-out placed from counts each block left before the second digit's
+        # grid barrier, one barrier fewer, measured slower: 5.942 against 5.918 ms a step, H100,
+        # 30 layers, BENCHMARKS 2026-12-07 (aa); removed)
         # (that scorer on int8 MMAs, one m16n8k32 a 32-dim block with the same scores bit for
         # bit, measured slower twice: 20.1 against 15.1 µs alone, 6.270 against 6.212 ms a
         # step, H100, 2026-12-07 (w); removed)
@@ -304,8 +302,7 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
-        indexer_one_warp, scorer_counts_first_digit, topk_one_barrier, limbs_in_combine,
-        hadamard_warp,
+        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
         hc_mix_prefetch,
         hc_u_gram, moe_parts,
@@ -601,7 +598,7 @@ class DecodeEngine:
             self.mem.mask_scores(scores, s)
         # the picks in ascending order: attention sums them in list order, so a run repeats
         topk(self.sel, scores, n, cfg.index_topk, stream=s, threads=nt, work=work,
-             first_digit_counted=counted, one_barrier=self.topk_one_barrier)
+             first_digit_counted=counted)
         if self.mem is not None:  # (the global set comes in ascending order too)
             self.mem.drop_selected(self.sel, s)
 

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from . import kcache, pdl
+from . import kcache, leave_out, pdl
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 if SIMULATOR:  # a block's simulated threads take turns (sim_blocks.py: CI lane A's speed)
@@ -47,6 +47,7 @@ def kernel(fn=None, **opts):
             pdl.install()
             disp = pdl.marked(jit(pdl.with_prologue(f)))
         disp.source_fn = f
+        leave_out.skippable(disp)  # (bench --decode-without: nothing skipped unless asked)
         if not SIMULATOR:
             kcache.attach(disp, f, dict(opts, pdl=pdl.ENABLED))
         return disp

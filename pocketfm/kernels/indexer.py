@@ -37,6 +37,9 @@ HTKT = HT * KT  # (a literal for cuda.local.array)
 CD = 16  # key dims decoded into shared memory per stage (half an FP4 scale block)
 RADIX_BITS = 11  # radix-select digit width: passes over bits 31..21, 20..10, 9..0
 TOPK_THREADS = 512
+# the radix kernel's threads a block at most: ptxas gives it ~106 registers a thread (sm_90), and
+# 1,024 threads of those overflow an SM's 65,536 (the launch fails: out of resources)
+TOPK_MAX_THREADS = 512
 _ALIGN = None if device.SIMULATOR else 16  # 16-byte shared arrays: 128-bit loads (no sim support)
 
 
@@ -396,16 +399,7 @@ _MAX_BLOCKS = 1024
 _WS_GT = 3 * _HIST  # per-block counts of entries above the threshold key
 _WS_EQ = _WS_GT + _MAX_BLOCKS  # ... and equal to it
 _WS_BAR = _WS_EQ + _MAX_BLOCKS  # barrier: arrivals, generation (never cleared by the kernel)
-# One barrier fewer (``fused``): before the second digit's barrier each block also leaves its
-# count of entries above the first digit's threshold bin (in _WS_GT) and, for every second
-# digit d, its count of the bin's entries whose second digit is >= d (the suffix sums of its
-# histogram, _HIST ints a block); where two digits settle the pick (the usual case), each
-# block reads its place from the blocks before it there, and the last block to have read
-# the histograms (a count at _WS_READ) clears them.
-_MAX_CUM_BLOCKS = 256
-_WS_READ = _WS_BAR + 2
-_WS_CUM = _WS_READ + 2
-_WS_LEN = _WS_CUM + _MAX_CUM_BLOCKS * _HIST
+_WS_LEN = _WS_BAR + 2
 
 
 @_inline
@@ -444,21 +438,6 @@ assert indexer_warp.FIRST_DIGIT_BINS == _HIST and indexer_warp.FIRST_DIGIT_SHIFT
 
 
 @_inline
-def _descending_slice(h, base, nb, wsum, xch):
-    """Thread t's slice of the nb bins h[base + d] in descending order, d = nb - 1 - r for r
-    in [r0, r1), and how many entries the bins above it hold (a block scan of the slices'
-    sums): (that count, the slice's total with it, r0, r1). Every thread must call it."""
-    per = (nb + cuda.blockDim.x - 1) // cuda.blockDim.x
-    r0 = cuda.threadIdx.x * per
-    r1 = min(nb, r0 + per)
-    v = 0
-    for r in range(r0, r1):
-        v += h[base + nb - 1 - r]
-    incl, _ = _span_scan(v, wsum, xch)
-    return incl - v, incl, r0, r1
-
-
-@_inline
 def _pick_digit(h, base, nb, need, wsum, xch, found):
     """The digit of the ``need``-th largest entry, from the counts h[base + d] of the nb digits:
     thread t sums the t-th slice of the bins in descending order and a block scan places it
@@ -466,9 +445,16 @@ def _pick_digit(h, base, nb, need, wsum, xch, found):
     had 19 barriers). Sets found[0] = the digit, found[1] = the entries in higher bins,
     found[2] = in its bin; every thread must call it (whole warps), and reads ``found`` after
     its closing barrier."""
-    cum, incl, r0, r1 = _descending_slice(h, base, nb, wsum, xch)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    per = (nb + nt - 1) // nt
+    v = 0
+    for r in range(tid * per, min(nb, tid * per + per)):
+        v += h[base + nb - 1 - r]
+    incl, _ = _span_scan(v, wsum, xch)
+    cum = incl - v
     if cum < need and need <= incl:
-        for r in range(r0, r1):
+        for r in range(tid * per, min(nb, tid * per + per)):
             c = h[base + nb - 1 - r]
             if cum + c >= need:
                 found[0] = nb - 1 - r
@@ -566,40 +552,11 @@ def _write_picks(out, j0, gt, eq, ex, run_gt, run_eq, need):
             n_eq += 1
 
 
-@_inline
-def _suffix_counts(ws, base, hist, wsum, xch):
-    """ws[base + d] <- Σ hist[d'] over d' >= d, for the _HIST digits d (the block's
-    histogram in shared memory), over _descending_slice's slices as _pick_digit. Every thread
-    must call it."""
-    cum, _, r0, r1 = _descending_slice(hist, 0, _HIST, wsum, xch)
-    for r in range(r0, r1):
-        cum += hist[_HIST - 1 - r]
-        ws[base + _HIST - 1 - r] = cum
-
-
-@_inline
-def _places_before(ws, b, d, found):
-    """(picks above the threshold key, entries equal to it) in blocks 0 .. b-1, from what
-    each left before the second digit's barrier (the fused path): above = its count above the
-    first digit's bin + its bin's entries whose second digit is > d; equal = those whose
-    second digit is d. Sums into found[0], found[1] (zeroed by the caller before a barrier);
-    every thread must call it."""
-    for i in range(cuda.threadIdx.x, b, cuda.blockDim.x):
-        c0 = ws[_WS_CUM + i * _HIST + d]
-        c1 = ws[_WS_CUM + i * _HIST + d + 1] if d + 1 < _HIST else 0
-        cuda.atomic.add(found, 0, ws[_WS_GT + i] + c1)
-        cuda.atomic.add(found, 1, c0 - c1)
-    cuda.syncthreads()
-    return int(found[0]), int(found[1])
-
-
 @device.kernel
-def _topk_radix_select(out_idx, bits, n_visible, ws, counted, fused):
+def _topk_radix_select(out_idx, bits, n_visible, ws, counted):
     """out_idx[k] <- bits[N] (the scores as uint32), n_visible[1], in ascending index order;
     ws[_WS_LEN] int32 scratch, its histograms zero on entry (and on exit) except, with
     ``counted``, the first digit's counts (ws[:_HIST], made by the scorer: that pass skipped).
-    ``fused``: where two digits settle the pick, one grid barrier fewer (_WS_CUM; at most
-    _MAX_CUM_BLOCKS blocks).
 
     Every block must be resident at once (grid barriers; the launcher sizes the grid)."""
     k = out_idx.shape[0]
@@ -614,7 +571,6 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted, fused):
         return
     hist = cuda.shared.array(_HIST, int32)
     found = cuda.shared.array(3, int32)
-    above = cuda.shared.array(1, int32)  # (fused) entries above the first digit's bin
     wsum = cuda.shared.array(32, int32)
     xch = cuda.shared.array(_XCH, float32)
     chunk = (n + G - 1) // G  # block b owns entries [lo, hi): index order is rank order
@@ -635,53 +591,35 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted, fused):
     prefix = 0
     pmask = 0
     need = k  # how many of the entries matching ``prefix`` still belong to the top k
-    fast = False  # (grid-uniform) two digits settled it, with the fused counts left
-    digit = 0  # the last digit picked
     for p in range(3):
         shift = 21 - 11 * p if p < 2 else 0
         nb = _HIST if p < 2 else 1024
-        leave = fused != 0 and p == 1  # (grid-uniform) the fused path's counts
         if p > 0 or not counted:  # (grid-uniform)
             for i in range(tid, nb, nt):
                 hist[i] = 0
-            if tid == 0:
-                above[0] = 0
             cuda.syncthreads()
-            n_above = 0
             if one_span:
                 for i in range(_PER_THREAD):
                     u = keys[i]
                     if j0 + i < hi and (u & pmask) == prefix:
                         cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
-                    elif j0 + i < hi and (u & pmask) > prefix:
-                        n_above += 1
             else:
                 for j in range(lo + tid, hi, nt):
                     u = _order_key(bits[j])
                     if (u & pmask) == prefix:
                         cuda.atomic.add(hist, (u >> shift) & (nb - 1), 1)
-                    elif (u & pmask) > prefix:
-                        n_above += 1
-            if leave and n_above > 0:
-                cuda.atomic.add(above, 0, n_above)
             cuda.syncthreads()
             for i in range(tid, nb, nt):
                 if hist[i] > 0:
                     cuda.atomic.add(ws, p * _HIST + i, hist[i])
-            if leave:
-                _suffix_counts(ws, _WS_CUM + b * _HIST, hist, wsum, xch)
-                if tid == 0:
-                    ws[_WS_GT + b] = above[0]
             gen = _grid_barrier(ws, G, gen)
         _pick_digit(ws, p * _HIST, nb, need, wsum, xch, found)
         prefix |= int(found[0]) << shift
         pmask |= (nb - 1) << shift
         need -= int(found[1])
         done = int(found[2]) == need  # typical after two passes when no scores tie
-        digit = int(found[0])
         cuda.syncthreads()
         if done:
-            fast = leave
             break
     # entries whose digits so far beat ``prefix`` are picks, and the first ``need`` (in index
     # order) of those equal to it. Thread t owns _PER_THREAD consecutive entries of each span;
@@ -691,42 +629,28 @@ def _topk_radix_select(out_idx, bits, n_visible, ws, counted, fused):
     if not one_span:
         _load_keys(keys, bits, j0, n)
     ex, first, gt, eq = _scan_span(keys, j0, hi, prefix, pmask, wsum, xch)
+    n_gt = first & 0xFFFF  # this block's counts
+    n_eq = first >> 16
+    for c0 in range(lo + span, hi, span):  # more spans: their counts only, for now
+        _load_keys(keys, bits, c0 + _PER_THREAD * tid, n)
+        _, last, _, _ = _scan_span(keys, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum, xch)
+        n_gt += last & 0xFFFF
+        n_eq += last >> 16
     if tid == 0:
+        ws[_WS_GT + b] = n_gt
+        ws[_WS_EQ + b] = n_eq
         found[0] = 0
         found[1] = 0
-    if fast:  # (grid-uniform) the places from the counts left before the barrier
-        if tid == 0:  # this block has read the histograms: the last to have them clears them
-            cuda.threadfence()
-            found[2] = cuda.atomic.add(ws, _WS_READ, 1)
-        cuda.syncthreads()
-        if int(found[2]) == G - 1:
-            if tid == 0:
-                ws[_WS_READ] = 0
-            for i in range(tid, 2 * _HIST, nt):
-                ws[i] = 0
-        run_gt, run_eq = _places_before(ws, b, digit, found)
-    else:
-        n_gt = first & 0xFFFF  # this block's counts
-        n_eq = first >> 16
-        for c0 in range(lo + span, hi, span):  # more spans: their counts only, for now
-            _load_keys(keys, bits, c0 + _PER_THREAD * tid, n)
-            _, last, _, _ = _scan_span(keys, c0 + _PER_THREAD * tid, hi, prefix, pmask, wsum,
-                                       xch)
-            n_gt += last & 0xFFFF
-            n_eq += last >> 16
-        if tid == 0:
-            ws[_WS_GT + b] = n_gt
-            ws[_WS_EQ + b] = n_eq
-        _grid_barrier(ws, G, gen)
-        if b == 0:  # every block has read the histograms (before the barrier): clear them
-            for i in range(tid, 3 * _HIST, nt):
-                ws[i] = 0
-        for i in range(tid, b, nt):  # the counts of the blocks before this one
-            cuda.atomic.add(found, 0, ws[_WS_GT + i])
-            cuda.atomic.add(found, 1, ws[_WS_EQ + i])
-        cuda.syncthreads()
-        run_gt = int(found[0])  # block-uniform from here on
-        run_eq = int(found[1])
+    _grid_barrier(ws, G, gen)
+    if b == 0:  # every block has read the histograms (before the barrier): clear them
+        for i in range(tid, 3 * _HIST, nt):
+            ws[i] = 0
+    for i in range(tid, b, nt):  # the counts of the blocks before this one
+        cuda.atomic.add(found, 0, ws[_WS_GT + i])
+        cuda.atomic.add(found, 1, ws[_WS_EQ + i])
+    cuda.syncthreads()
+    run_gt = int(found[0])  # block-uniform from here on
+    run_eq = int(found[1])
     for c0 in range(lo, hi, span):
         last = first
         if c0 > lo:  # a later span: its entries and scan again
@@ -755,20 +679,17 @@ def default_topk_workspace(stream=0):
 
 
 def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool = False,
-         work=None, blocks=None, first_digit_counted: bool = False,
-         one_barrier: bool = False) -> None:
+         work=None, blocks=None, first_digit_counted: bool = False) -> None:
     """out_idx[k] int32 <- the indices of the k largest scores[N] f32 among j < n_visible[1].
 
     The picks come in ascending index order (the naive kernel: by rank); ties at the k-th
     value go to the lowest index; with n_visible <= k the result is 0 .. n_visible-1 padded
     with -1. ``work`` is a ``topk_workspace()``; by default one module-wide buffer (calls on
     one stream only).
+    ``threads``: the block (whole warps, at most TOPK_MAX_THREADS; more are capped there).
     ``blocks``: the grid (benchmarks; default one block per ~4 entries a thread, <= SMs).
     ``first_digit_counted``: the scorer has counted the first radix digit of these scores into
     ``work`` (indexer_scores(..., top_k=(work, k))), so that pass is skipped.
-    ``one_barrier``: where two digits settle the pick, the write-out takes its places from
-    counts each block left before the second digit's barrier instead of a barrier of its own
-    (the kernel's ``fused``; at most _MAX_CUM_BLOCKS blocks, more take the two barriers).
     """
     if out_idx.shape[0] != k:
         raise ValueError(f"topk: out_idx has {out_idx.shape[0]} slots, k = {k}")
@@ -779,14 +700,13 @@ def topk(out_idx, scores, n_visible, k: int, stream=0, threads=None, naive: bool
         return
     if work is None:
         work = default_topk_workspace(stream)
-    nt = max(32, min(threads or TOPK_THREADS, 1024) // 32 * 32)  # whole warps (_span_scan)
+    nt = max(32, min(threads or TOPK_THREADS, TOPK_MAX_THREADS) // 32 * 32)  # whole warps
     # at most one block per SM, so all are resident for the grid barriers; ~4 entries a thread
     if blocks is None:
         blocks = 1 if device.SIMULATOR else max(1, min(device.sm_count(), cdiv(N, 4 * nt)))
     assert 1 <= blocks <= max(1, device.sm_count()), "topk: every block must be resident"
-    fused = int(one_barrier and blocks <= _MAX_CUM_BLOCKS)
     _topk_radix_select[blocks, nt, stream](out_idx, scores.view(np.uint32), n_visible, work,
-                                           int(first_digit_counted), fused)
+                                           int(first_digit_counted))
 
 
 # ---- top-k: chunk form, one block per token ---------------------------------------------------
@@ -1009,8 +929,7 @@ PTX_SIGNATURES = [
     (_V4_SCORERS[0], _SCORES_SIG),
     (_V4_SCORERS[1], _CHUNK_SIG),
     (_topk_rank, "void(int32[::1], float32[::1], int32[::1])"),
-    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1], int64, "
-                         "int64)"),
+    (_topk_radix_select, "void(int32[::1], uint32[::1], int32[::1], int32[::1], int64)"),
     (_topk_chunk_kernel(_CAND), "void(int32[:, ::1], uint32[:, ::1], int32[::1])"),
 ]
 
