@@ -5,7 +5,8 @@ removing it would save, since its launch, ramp and the wait of the kernel after 
 step too. Leaving its launches out of the captured step and timing the replays measures that
 saving directly: the upper bound of fusing the kernel into its neighbours, before building it.
 Timing only: every buffer those launches would have written keeps its last contents, so the
-step's outputs are wrong while a pattern is set.
+step's outputs are wrong while a pattern is set (and the step as landed must have run first:
+an expert id or a top-k pick never written would be garbage to the kernels that index by it).
 
 ``device.kernel`` makes every pocketfm kernel skippable; nothing is left out unless a caller
 is inside ``leaving_out``.
@@ -60,6 +61,7 @@ def skippable(disp):
 
         def call_unless_left_out(args, launch_config):
             return None if _left_out(disp) else call(args, launch_config)
+        call_unless_left_out.__wrapped__ = call  # (pdl's marked_call, on sm_90)
         disp.call = call_unless_left_out
     else:
         disp.__class__ = _simulated(type(disp))

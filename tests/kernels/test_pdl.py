@@ -107,15 +107,17 @@ def test_only_marked_kernels_launch_with_the_attribute():
 
 def test_device_kernel_marks_its_kernels_outside_the_simulator():
     """device.kernel compiles the prologue in and marks the dispatcher (numba's launch
-    configuration calls ``dispatcher.call``, the instance attribute marked() sets)."""
+    configuration calls ``dispatcher.call``, the instance attribute marked() sets, which
+    leave_out.skippable then wraps: bench --decode-without)."""
     code = ("from pocketfm.kernels import device, pdl\n"
             "def k(out):\n    out[0] = 1\n"
             "d = device.kernel(k)\n"
-            "print(pdl.ENABLED, d.call.__name__, d.py_func.__name__)\n")
+            "print(pdl.ENABLED, d.call.__name__, d.call.__wrapped__.__name__,"
+            " d.py_func.__name__)\n")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", POCKETFM_PDL="1")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     if p.stdout.split()[0] == "False":
         pytest.skip("a GPU below sm_90 answers here")
-    assert p.stdout.split() == ["True", "marked_call", "k"]
+    assert p.stdout.split() == ["True", "call_unless_left_out", "marked_call", "k"]
