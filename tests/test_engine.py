@@ -396,6 +396,17 @@ def test_the_scorer_reading_q_fragments_changes_no_logit():
         assert np.array_equal(logits["fragments"][how], logits["staged"][how]), how
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the SM-wide gate+up)")
+def test_the_routing_in_the_gate_up_changes_no_logit():
+    """DecodeEngine.route_in_gate_up at V4's 256 experts, 6 a token (the 4 layers: 3 hash
+    layers, 1 biased): the routed gate+up's blocks pick the experts, the same logits bit for
+    bit as the routing launch, eager and replayed."""
+    logits = _flash_4_layer_logits({"launch": dict(route_in_gate_up=False),
+                                    "folded": dict(route_in_gate_up=True)}, graph=True)
+    for how in (0, 1):  # eager, replayed
+        assert np.array_equal(logits["folded"][how], logits["launch"][how]), how
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the split attention)")
 def test_the_bf16_attention_tile_changes_the_logits_by_rounding_only():
     """DecodeEngine.attn_bf16_tile: the head-warp attention's tile as bf16 holds the same

@@ -256,7 +256,8 @@ def _decode_variants() -> dict:
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block) or try a candidate (the q_a norm folded on every layer:
-    slower, the CSA layers' indexer path gets longer; the indexer query's
+    slower, the CSA layers' indexer path gets longer; the routing in the routed gate+up's
+    launch: not yet measured; the indexer query's
     Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's
     tensor cores too: slower, H200, 2026-12-06 (l)). The top-k's write-out placed from counts
     left before its second grid barrier, one barrier fewer, was a candidate too: 5.942 against
@@ -283,6 +284,8 @@ def _decode_variants() -> dict:
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
+            "the routing in the routed gate+up's launch (candidate)": dict(
+                route_in_gate_up=True),
             "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),

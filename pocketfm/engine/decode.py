@@ -237,6 +237,12 @@ class DecodeEngine:
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
+        # candidate: no routing launch: every block of the routed gate+up (its SM-wide build)
+        # picks the token's experts itself from the router's logits before its first stage
+        # (imma_iq2_xxs.gemv_prepared(route=), the same bits); the routing launch costs ~6.3 µs
+        # a layer on the step's path (bench --decode-without, H100, BENCHMARKS 2026-12-07
+        # (aa)). Not yet measured
+        self.route_in_gate_up = False
         # (the top-k's write-out placed from counts each block left before the second digit's
         # grid barrier, one barrier fewer, measured slower: 5.942 against 5.918 ms a step, H100,
         # 30 layers, BENCHMARKS 2026-12-07 (aa); removed)
@@ -302,7 +308,8 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words,
-        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
+        indexer_one_warp, scorer_counts_first_digit, route_in_gate_up, limbs_in_combine,
+        hadamard_warp,
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
         hc_mix_prefetch,
         hc_u_gram, moe_parts,
@@ -623,7 +630,8 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down,
+                  route_in_gate_up=self.route_in_gate_up)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
             if pside is not side:

@@ -130,3 +130,49 @@ def test_sm_wide_build_equals_the_default_over_rounds(build):
     imma.gemv_prepared(out, dw, imma.prepare_x(dx), di, build=build)
     assert np.array_equal(out.copy_to_host(), base.copy_to_host())
     assert rel_err(out.copy_to_host(), ref) <= 1e-3
+
+
+@pytest.mark.parametrize("build,use_hash", [("sm3", 0), ("sm3", 1), ("sm", 0)])
+def test_routed_build_equals_the_routing_launch_then_the_gemv(build, use_hash):
+    """gemv_prepared(route=): every block picks the token's experts itself from the router's
+    logits (routing.pick_experts) instead of a routing launch before it: the same experts and
+    weights in the same order (written by block (0, 0)), and the same rows bit for bit as
+    moe.route_chunk then the build, over 9 tiles (two rounds) of 6 of 40 experts; ties in the
+    scores, a hash layer's tid2eid row."""
+    from pocketfm.kernels import moe
+
+    rng = fresh_rng()
+    E, N, K, k = 40, 130, 2048, 6
+    raw = quants.random_blocks(GGMLType.IQ2_XXS, (E, N, K), rng, std=0.05)
+    dw = gl.pack_iq2_xxs(raw, N, K).to_device()
+    dx = cuda.to_device(rng.standard_normal((1, K)).astype(np.float32))
+    logits = rng.choice(np.float32([-1.0, 0.5, 2.0, 3.0]), (1, E))  # ties across the cut
+    bias = rng.normal(0.0, 0.1, E).astype(np.float32)
+    tid2eid = np.stack([rng.choice(E, k, replace=False) for _ in range(7)]).astype(np.int32)
+    token = np.array([5], np.int32)
+    dev = [cuda.to_device(a) for a in (logits, bias, tid2eid, token)]
+    got = {}
+    for fold in (False, True):
+        ids = cuda.to_device(np.full((1, k), -7, np.int32))
+        wts, out = poisoned((1, k)), poisoned((k, N))
+        route = (*dev, use_hash, 1.5, 1, ids, wts)
+        if not fold:
+            moe.route_chunk(ids, wts, *dev, use_hash, 1.5, 1)
+        imma.gemv_prepared(out, dw, imma.prepare_x(dx), ids.reshape(k), build=build,
+                           route=route if fold else None)
+        got[fold] = ids.copy_to_host(), wts.copy_to_host(), out.copy_to_host()
+    for a, b in zip(got[True], got[False]):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    if use_hash:
+        assert np.array_equal(got[True][0][0], tid2eid[5])
+
+
+def test_takes_route_only_with_an_sm_wide_build():
+    w = gl.pack_iq2_xxs(quants.random_blocks(GGMLType.IQ2_XXS, (2, 16, 2048), fresh_rng(), 0.05),
+                        16, 2048)
+    assert imma.takes_route(w, "sm3") and imma.takes_route(w, "sm")
+    assert not imma.takes_route(w, None) and not imma.takes_route(w, "reps16")
+    w512 = gl.pack_iq2_xxs(quants.random_blocks(GGMLType.IQ2_XXS, (2, 16, 512), fresh_rng(), 0.05),
+                           16, 512)
+    assert not imma.takes_route(w512, "sm3")  # (one stage a row: not whole WARPS stages)
+
