@@ -390,10 +390,7 @@ def test_the_scorer_reading_q_fragments_changes_no_logit():
     """DecodeEngine.scorer_q_fragments: the query's launch writes q's bf16 pairs in the
     one-warp scorer's fragment order and the scorer loads them instead of staging q: the same
     A registers, so the same logits bit for bit, eager and replayed."""
-    logits = _flash_4_layer_logits({"staged": dict(scorer_q_fragments=False),
-                                    "fragments": dict(scorer_q_fragments=True)}, graph=True)
-    for how in (0, 1):  # eager, replayed
-        assert np.array_equal(logits["fragments"][how], logits["staged"][how]), how
+    _assert_setting_changes_no_logit("scorer_q_fragments")
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the SM-wide gate+up)")
@@ -401,10 +398,16 @@ def test_the_routing_in_the_gate_up_changes_no_logit():
     """DecodeEngine.route_in_gate_up at V4's 256 experts, 6 a token (the 4 layers: 3 hash
     layers, 1 biased): the routed gate+up's blocks pick the experts, the same logits bit for
     bit as the routing launch, eager and replayed."""
-    logits = _flash_4_layer_logits({"launch": dict(route_in_gate_up=False),
-                                    "folded": dict(route_in_gate_up=True)}, graph=True)
+    _assert_setting_changes_no_logit("route_in_gate_up")
+
+
+def _assert_setting_changes_no_logit(setting: str) -> None:
+    """The flash 4-layer logits with DecodeEngine ``setting`` on equal those with it off, bit
+    for bit, eager and replayed."""
+    logits = _flash_4_layer_logits({"off": {setting: False}, "on": {setting: True}},
+                                   graph=True)
     for how in (0, 1):  # eager, replayed
-        assert np.array_equal(logits["folded"][how], logits["launch"][how]), how
+        assert np.array_equal(logits["on"][how], logits["off"][how]), how
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the split attention)")

@@ -257,9 +257,9 @@ def _decode_variants() -> dict:
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block) or try a candidate (the q_a norm folded on every layer:
     slower, the CSA layers' indexer path gets longer; the routing in the routed gate+up's
-    launch: not yet measured; the indexer query's
-    Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's
-    tensor cores too: slower, H200, 2026-12-06 (l)). The top-k's write-out placed from counts
+    launch: not yet measured; the indexer query's Hadamard a warp a vector: nil, H100,
+    2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's tensor cores too: slower, H200,
+    2026-12-06 (l)). The top-k's write-out placed from counts
     left before its second grid barrier, one barrier fewer, was a candidate too: 5.942 against
     5.918 ms, H100, 30 layers, 2026-12-07 (aa), dropped. HC pre's mix and u in one launch (the last
     block to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped; so were
