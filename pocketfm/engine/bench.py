@@ -255,7 +255,9 @@ def _decode_variants() -> dict:
     their own; out_a's weights prefetched into L2 beside the attention, by 8 blocks, and the next
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
-    SM-wide build of 3 tiles a block) or try a candidate (the q_a norm folded on every layer:
+    SM-wide build of 3 tiles a block) or try a candidate (the persistent decode GEMVs' grids at
+    other shares of a wave: are side streams' blocks holding a full wave back? the q_a norm
+    folded on every layer:
     slower, the CSA layers' indexer path gets longer; the routing in the routed gate+up's
     launch: not yet measured; the indexer query's Hadamard a warp a vector: nil, H100,
     2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's tensor cores too: slower, H200,
@@ -281,6 +283,8 @@ def _decode_variants() -> dict:
             "HC pre's u block of 512 threads": dict(hc_u_gram=False, hc_u_threads=512,
                                                     hc_u_prefetch=False),
             "x limbs a thread a chunk": dict(limbs_by_words=False),
+            **{f"the decode GEMVs' grids at {w} of a wave": dict(gemv_waves=w)
+               for w in (0.5, 0.75, 0.9, 2)},
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),

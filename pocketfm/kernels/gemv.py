@@ -865,11 +865,28 @@ def _sim_rows() -> bool:
 
 def _wave(kern, args, threads: int, rows: int) -> int:
     """Blocks a grid row of the persistent decode kernel gets: one wave of the compiled kernel
-    over all ``rows`` grid rows (2 in the simulator: tests reach the grid-stride loop). With ids
+    over all ``rows`` grid rows (2 in the simulator: tests reach the grid-stride loop), times
+    the share ``grid_waves`` sets (1 unless inside it). With ids
     (the grouped attn_output_a: 8 rows of x, 8 weights) each row's blocks then stream several
     row groups and load their slice of x once for them (a block per row group read as many x
     bytes from L2 as weight bytes: 32.5 µs for the 35.6 MB out_a, ncu 2026-12-02)."""
-    return max(1, resident_blocks(kern, args, threads, simulated=2 * rows) // rows)
+    wave = resident_blocks(kern, args, threads, simulated=2 * rows)
+    return max(1, int(wave * _STATE.get("waves", 1.0)) // rows)
+
+
+@contextlib.contextmanager
+def grid_waves(share: float):
+    """The persistent decode GEMVs launched inside get ``share`` of a wave of blocks (0.75:
+    room for the blocks of kernels on other streams, which would otherwise hold some of a
+    full wave's blocks back until they end; 2: every block still has a second to follow): an
+    A/B (the decode engine's ``gemv_waves``)."""
+    assert share > 0
+    before = _STATE.get("waves", 1.0)
+    _STATE["waves"] = float(share)
+    try:
+        yield
+    finally:
+        _STATE["waves"] = before
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None,

@@ -128,6 +128,35 @@ def test_dp4a_kernel_on_limbs_of_a_row_per_id():
     assert rel_err(out.copy_to_host(), ref) <= 1e-4
 
 
+@pytest.mark.parametrize("method,name", [("dp4a", "q8_0"), ("decode", "f16")])
+def test_the_decode_grids_in_shares_of_a_wave_give_the_same_bits(method, name):
+    """grid_waves(share): the persistent decode kernels' grids get share x a wave of blocks
+    (the simulator's wave: 2 a grid row), and the grid-stride loop gives every row group a
+    block all the same: the outputs of half a wave and of two waves are those of one, bit for
+    bit, and the grid is what the share asks."""
+    rng = fresh_rng()
+    w, x, ids, ref = _case(name, 3, 37, 128, 2, True, rng)
+    wd, xd, idd = w.to_device(), cuda.to_device(x), cuda.to_device(ids)
+    outs, grids = {}, {}
+    real_wave = gemv._wave
+    for share in (1, 0.5, 2):
+        out = poisoned((2, 37))
+
+        def wave(*a):
+            grids[share] = real_wave(*a)
+            return grids[share]
+        gemv._wave = wave
+        try:
+            with gemv.grid_waves(share):
+                getattr(gemv, f"gemv_{name}")(out, wd, xd, idd, threads=THREADS, method=method)
+        finally:
+            gemv._wave = real_wave
+        outs[share] = out.copy_to_host()
+    assert grids == {1: 2, 0.5: 1, 2: 4}
+    assert rel_err(outs[1], ref) <= 1e-4
+    assert np.array_equal(outs[0.5], outs[1]) and np.array_equal(outs[2], outs[1])
+
+
 @pytest.mark.parametrize("T,K", [(1, 4096), (2, 96), (3, 1024)])
 def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
     """_q8_0_x_limbs_words (the default) writes exactly the words of _q8_0_x_limbs (a thread a
