@@ -256,7 +256,8 @@ def _decode_variants() -> dict:
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block) or try a candidate (the persistent decode GEMVs' grids at
-    other shares of a wave: are side streams' blocks holding a full wave back? the q_a norm
+    other shares of a wave: are side streams' blocks holding a full wave back? the Q8_0 dp4a
+    GEMVs taking their groups from a counter, or capped at more registers; the q_a norm
     folded on every layer:
     slower, the CSA layers' indexer path gets longer; the routing in the routed gate+up's
     launch: not yet measured; the indexer query's Hadamard a warp a vector: nil, H100,
@@ -285,6 +286,11 @@ def _decode_variants() -> dict:
             "x limbs a thread a chunk": dict(limbs_by_words=False),
             **{f"the decode GEMVs' grids at {w} of a wave": dict(gemv_waves=w)
                for w in (0.5, 0.75, 0.9, 2)},
+            "the Q8_0 dp4a GEMVs taking tickets (candidate)": dict(gemv_tickets=True),
+            "the Q8_0 dp4a GEMVs taking tickets, at 0.9 of a wave": dict(gemv_tickets=True,
+                                                                          gemv_waves=0.9),
+            **{f"the Q8_0 dp4a GEMVs capped at {r} registers": dict(gemv_dp4a_regs=r)
+               for r in (168, 255)},
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),

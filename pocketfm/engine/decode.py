@@ -40,8 +40,8 @@ from ..kernels import device
 from ..kernels.attention import MMA_TILES, attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import (XLW, gemv, gemv_q8_0, grid_waves, limbs_kernel, q8_0_limbs,
-                            simulator_prefers_rows, takes_limbs, takes_norm)
+from ..kernels.gemv import (DP4A_REGS, XLW, gemv, gemv_dp4a, gemv_q8_0, grid_waves, limbs_kernel,
+                            q8_0_limbs, simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
@@ -236,6 +236,11 @@ class DecodeEngine:
         # the GPU holds at once; other shares are A/B rows (are blocks of the side streams'
         # kernels holding some of a full wave back until they end?)
         self.gemv_waves = 1.0
+        # candidates: the Q8_0 dp4a GEMVs taking their row groups after the first from a
+        # counter (a block the SMs start late takes fewer), and their build's register cap
+        # (ptxas, CUDA 13: 202 registers uncapped, 72 bytes spilled at the 128 of DP4A_REGS)
+        self.gemv_tickets = False
+        self.gemv_dp4a_regs = DP4A_REGS
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -312,6 +317,7 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words, gemv_waves,
+        gemv_tickets, gemv_dp4a_regs,
         indexer_one_warp, scorer_counts_first_digit, route_in_gate_up, limbs_in_combine,
         hadamard_warp,
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
@@ -387,7 +393,7 @@ class DecodeEngine:
     def launch_step(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
         """Launch one decode step on the engine's stream (no host sync)."""
         with limbs_kernel("words" if self.limbs_by_words else "serial"), grid_waves(
-                self.gemv_waves):
+                self.gemv_waves), gemv_dp4a(self.gemv_tickets, self.gemv_dp4a_regs):
             self._launch_step(temperature, top_p)
 
     def _launch_step(self, temperature: float, top_p: float) -> None:
