@@ -401,10 +401,20 @@ def test_the_routing_in_the_gate_up_changes_no_logit():
     _assert_setting_changes_no_logit("route_in_gate_up")
 
 
-def _assert_setting_changes_no_logit(setting: str) -> None:
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the dp4a GEMVs)")
+def test_the_dp4a_gemvs_taking_tickets_or_other_grids_change_no_logit():
+    """DecodeEngine.gemv_tickets and gemv_waves: each output row of the persistent GEMVs is
+    still one block's, in the same order, whichever block takes it: the same logits bit for
+    bit, eager and replayed (the counters are back at zero after every launch, or the replay
+    would skip rows)."""
+    _assert_setting_changes_no_logit("gemv_tickets")
+    _assert_setting_changes_no_logit("gemv_waves", on=0.75, off=1.0)
+
+
+def _assert_setting_changes_no_logit(setting: str, on=True, off=False) -> None:
     """The flash 4-layer logits with DecodeEngine ``setting`` on equal those with it off, bit
     for bit, eager and replayed."""
-    logits = _flash_4_layer_logits({"off": {setting: False}, "on": {setting: True}},
+    logits = _flash_4_layer_logits({"off": {setting: off}, "on": {setting: on}},
                                    graph=True)
     for how in (0, 1):  # eager, replayed
         assert np.array_equal(logits["on"][how], logits["off"][how]), how
