@@ -403,12 +403,13 @@ def test_the_routing_in_the_gate_up_changes_no_logit():
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the dp4a GEMVs)")
 def test_the_dp4a_gemvs_taking_tickets_or_other_grids_change_no_logit():
-    """DecodeEngine.gemv_tickets and gemv_waves: each output row of the persistent GEMVs is
-    still one block's, in the same order, whichever block takes it: the same logits bit for
-    bit, eager and replayed (the counters are back at zero after every launch, or the replay
-    would skip rows)."""
+    """DecodeEngine.gemv_tickets, gemv_waves and gemv_dp4a_shape (2 rows a step): each output
+    row of the persistent GEMVs is still one warp's sums, whichever block takes it: the same
+    logits bit for bit, eager and replayed (the counters are back at zero after every launch,
+    or the replay would skip rows)."""
     _assert_setting_changes_no_logit("gemv_tickets")
     _assert_setting_changes_no_logit("gemv_waves", on=0.75, off=1.0)
+    _assert_setting_changes_no_logit("gemv_dp4a_shape", on=(2, 2), off=(2, 4))
 
 
 def _assert_setting_changes_no_logit(setting: str, on=True, off=False) -> None:

@@ -291,6 +291,8 @@ def _decode_variants() -> dict:
                                                                           gemv_waves=0.9),
             **{f"the Q8_0 dp4a GEMVs capped at {r} registers": dict(gemv_dp4a_regs=r)
                for r in (168, 255)},
+            "the Q8_0 dp4a GEMVs 2 rows a warp a step (no spill)": dict(gemv_dp4a_shape=(2, 2)),
+            "the Q8_0 dp4a GEMVs one chunk a lane (no spill)": dict(gemv_dp4a_shape=(1, 4)),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),

@@ -241,6 +241,7 @@ class DecodeEngine:
         # (ptxas, CUDA 13: 202 registers uncapped, 72 bytes spilled at the 128 of DP4A_REGS)
         self.gemv_tickets = False
         self.gemv_dp4a_regs = DP4A_REGS
+        self.gemv_dp4a_shape = (2, 4)  # (chunks a lane, rows a warp a step): candidates too
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -317,7 +318,7 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words, gemv_waves,
-        gemv_tickets, gemv_dp4a_regs,
+        gemv_tickets, gemv_dp4a_regs, gemv_dp4a_shape,
         indexer_one_warp, scorer_counts_first_digit, route_in_gate_up, limbs_in_combine,
         hadamard_warp,
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
@@ -393,7 +394,8 @@ class DecodeEngine:
     def launch_step(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
         """Launch one decode step on the engine's stream (no host sync)."""
         with limbs_kernel("words" if self.limbs_by_words else "serial"), grid_waves(
-                self.gemv_waves), gemv_dp4a(self.gemv_tickets, self.gemv_dp4a_regs):
+                self.gemv_waves), gemv_dp4a(self.gemv_tickets, self.gemv_dp4a_regs,
+                                                     self.gemv_dp4a_shape):
             self._launch_step(temperature, top_p)
 
     def _launch_step(self, temperature: float, top_p: float) -> None:

@@ -850,15 +850,17 @@ def _decode_shape(ty: _Type, B: int) -> tuple[int, int]:
 
 
 _DP4A: dict = {}
+_DP4A_AS_LANDED = (False, DP4A_REGS, (2, 4))  # (tickets, register cap, (CPL, R))
 
 
-def _dp4a_kernel(tickets: bool, regs: int):
-    """The Q8_0 dp4a decode kernel (B = 1, CPL 2, R 4) with or without tickets, capped at
+def _dp4a_kernel(tickets: bool, regs: int, shape: tuple = (2, 4)):
+    """The Q8_0 dp4a decode kernel (B = 1, shape (CPL, R)) with or without tickets, capped at
     ``regs`` registers (built on first use: the candidates gemv_dp4a(...) asks for)."""
-    if (tickets, regs) not in _DP4A:
-        _DP4A[tickets, regs] = _decode_kernel(_Q8_0, 1, 2, 4, int8=True, tickets=tickets,
-                                              max_registers=regs)
-    return _DP4A[tickets, regs]
+    key = (tickets, regs, tuple(shape))
+    if key not in _DP4A:
+        _DP4A[key] = _decode_kernel(_Q8_0, 1, *shape, int8=True, tickets=tickets,
+                                    max_registers=regs)
+    return _DP4A[key]
 
 
 class _Kernels(NamedTuple):
@@ -908,12 +910,14 @@ def _ticket_workspace(stream):
 
 
 @contextlib.contextmanager
-def gemv_dp4a(tickets: bool = False, regs: int = DP4A_REGS):
+def gemv_dp4a(tickets: bool = False, regs: int = DP4A_REGS, shape: tuple = (2, 4)):
     """Inside, the Q8_0 dp4a GEMVs take their row groups after the first from a counter
-    (_decode_kernel(tickets=True)) and / or run a build capped at ``regs`` registers: A/Bs
-    (the decode engine's ``gemv_tickets`` and ``gemv_dp4a_regs``)."""
-    before = _STATE.get("dp4a", (False, DP4A_REGS))
-    _STATE["dp4a"] = (bool(tickets), int(regs))
+    (_decode_kernel(tickets=True)) and / or run a build capped at ``regs`` registers, of
+    ``shape`` (chunks a lane, rows a warp a step): A/Bs (the decode engine's ``gemv_tickets``,
+    ``gemv_dp4a_regs`` and ``gemv_dp4a_shape``; ptxas, CUDA 13: (2, 4) 205 registers uncapped,
+    68 bytes spilled at 128; (2, 2) and (1, 4) none)."""
+    before = _STATE.get("dp4a", _DP4A_AS_LANDED)
+    _STATE["dp4a"] = (bool(tickets), int(regs), tuple(shape))
     try:
         yield
     finally:
@@ -1002,26 +1006,28 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         blocks = 1 if SIMULATOR else cdiv(N, nt)  # (simulator: striding, fewer Python threads)
         _ROWS[ty.qtype][(blocks, T), nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, K)
     elif method in ("decode", "dp4a"):
-        cpl, R = _decode_shape(ty, B)  # Q8_0 at B = 1: (2, 4), the dp4a kernel's shape too
+        rows = T // B
+        if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
+            method = "dp4a"
+        dp4a = _STATE.get("dp4a", _DP4A_AS_LANDED) if method == "dp4a" else None
+        # Q8_0 at B = 1: (2, 4), the dp4a kernel's shape too (unless gemv_dp4a(shape=))
+        cpl, R = dp4a[2] if dp4a else _decode_shape(ty, B)
         nchunk = K // EC
         wk_n = split_k or cdiv(nchunk, 32 * cpl)
         span = cdiv(nchunk, wk_n)
         assert K % EC == 0 and span <= 32 * cpl and wk_n <= 32, (K, wk_n)
         wr_n = max(1, (threads or 128) // (32 * wk_n))
         nt = 32 * wk_n * wr_n
-        groups, rows = cdiv(N, wr_n * R), T // B
+        groups = cdiv(N, wr_n * R)
         k = kern.decode[B] if norm is None else kern.norm
         nw, eps = (norm_dummy, 0.0) if norm is None else norm
         args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span, nw,
                 np.float32(eps), ids_dummy)
-        if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
-            method = "dp4a"
         if method == "dp4a":  # x -> int8 limbs once (unless made already), then the GEMV
             xl = limbs if limbs is not None else q8_0_limbs(x, stream)
-            k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
-            tickets, regs = _STATE.get("dp4a", (False, DP4A_REGS))
-            if tickets or regs != DP4A_REGS:
-                k = _dp4a_kernel(tickets, regs)
+            args = args[:3] + (xl,) + args[4:]
+            k = kern.dp4a if dp4a == _DP4A_AS_LANDED else _dp4a_kernel(*dp4a)
+            tickets = dp4a[0]
             if tickets:
                 assert rows <= TICKET_ROWS
                 args = args[:-1] + (_ticket_workspace(stream),)
@@ -1152,7 +1158,7 @@ def _signatures():
         if ks.norm:
             yield ks.norm, h + tail
         if ks.dp4a:  # x: the prepared limbs
-            for kd in (ks.dp4a, _dp4a_kernel(True, DP4A_REGS)):
+            for kd in (ks.dp4a, _dp4a_kernel(True, DP4A_REGS)):  # (the tickets: candidate)
                 yield kd, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
                     + tail
         yield ks.batched, h.replace("void(float32[:, ::1]", "void(float32[:, :, ::1]") + \
