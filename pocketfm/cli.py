@@ -355,11 +355,12 @@ def inspect(path, all_keys):
                    "or 8; the indexer query as its GEMV and then the Hadamard instead of one "
                    "launch; the indexer scorer staging q instead of reading the query's "
                    "fragments; the routed gate+up's imma blocks of one tile instead of the "
-                   "SM-wide build) or try a candidate (the q_a norm folded on every layer; the "
-                   "routing in the routed gate+up's launch; the indexer query's Hadamard a warp "
-                   "a vector; the routed gate+up's SM-wide build of 4 tiles a block; the routed "
-                   "down on the int8 tensor cores too), each step captured anew, in turn, twice: "
-                   "an A/B in one process.")
+                   "SM-wide build; the decode GEMVs' grids at a full wave instead of 0.9 of one) "
+                   "or try a candidate (those grids at 0.75 of a wave; the q_a norm folded on "
+                   "every layer; the indexer query's Hadamard a warp a vector; the routed "
+                   "gate+up's SM-wide build of 4 tiles a block; the routed down on the int8 "
+                   "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
+                   "process.")
 @click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",
               help="--decode-ab with only the variants whose names contain TEXT (any of them "
                    "when repeated; case-insensitive), beside the step as landed.")

@@ -255,14 +255,15 @@ def _decode_variants() -> dict:
     their own; out_a's weights prefetched into L2 beside the attention, by 8 blocks, and the next
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
-    SM-wide build of 3 tiles a block) or try a candidate (the persistent decode GEMVs' grids at
-    other shares of a wave: are side streams' blocks holding a full wave back? the Q8_0 dp4a
-    GEMVs taking their groups from a counter, or capped at more registers; the q_a norm
-    folded on every layer:
-    slower, the CSA layers' indexer path gets longer; the routing in the routed gate+up's
-    launch: not yet measured; the indexer query's Hadamard a warp a vector: nil, H100,
-    2026-12-05 (j); the routed Q2_K down on imma_q2_k.py's tensor cores too: slower, H200,
-    2026-12-06 (l)). The top-k's write-out placed from counts
+    SM-wide build of 3 tiles a block; the persistent decode GEMVs' grids at 0.9 of a wave, room
+    for the side streams' blocks) or try a candidate (those grids at 0.75 of a wave: nil; the q_a
+    norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
+    query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
+    imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
+    gate+up's launch (6.048 against 5.977 ms), the Q8_0 dp4a GEMVs taking their row groups from
+    a counter (6.840), capped at 255 registers (6.168) or built for 2 rows a step (5.981) or a
+    chunk a lane (6.414) were candidates too (H100, 30 layers, 2026-12-07 (ab)), dropped. The
+    top-k's write-out placed from counts
     left before its second grid barrier, one barrier fewer, was a candidate too: 5.942 against
     5.918 ms, H100, 30 layers, 2026-12-07 (aa), dropped. HC pre's mix and u in one launch (the last
     block to finish making u) was a candidate too, 8.30 against 7.94 ms, and was dropped; so were
@@ -284,20 +285,11 @@ def _decode_variants() -> dict:
             "HC pre's u block of 512 threads": dict(hc_u_gram=False, hc_u_threads=512,
                                                     hc_u_prefetch=False),
             "x limbs a thread a chunk": dict(limbs_by_words=False),
-            **{f"the decode GEMVs' grids at {w} of a wave": dict(gemv_waves=w)
-               for w in (0.5, 0.75, 0.9, 2)},
-            "the Q8_0 dp4a GEMVs taking tickets (candidate)": dict(gemv_tickets=True),
-            "the Q8_0 dp4a GEMVs taking tickets, at 0.9 of a wave": dict(gemv_tickets=True,
-                                                                          gemv_waves=0.9),
-            **{f"the Q8_0 dp4a GEMVs capped at {r} registers": dict(gemv_dp4a_regs=r)
-               for r in (168, 255)},
-            "the Q8_0 dp4a GEMVs 2 rows a warp a step (no spill)": dict(gemv_dp4a_shape=(2, 2)),
-            "the Q8_0 dp4a GEMVs one chunk a lane (no spill)": dict(gemv_dp4a_shape=(1, 4)),
+            "the decode GEMVs' grids at a full wave (before)": dict(gemv_waves=1.0),
+            "the decode GEMVs' grids at 0.75 of a wave": dict(gemv_waves=0.75),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
-            "the routing in the routed gate+up's launch (candidate)": dict(
-                route_in_gate_up=True),
             "out_a's limbs as their own launch": dict(limbs_in_combine=False),
             "the indexer query's Hadamard a warp a vector": dict(hadamard_warp=True),
             "the routed gate+up on dp4a (before imma)": dict(imma_gate_up=False),

@@ -40,8 +40,8 @@ from ..kernels import device
 from ..kernels.attention import MMA_TILES, attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import (DP4A_REGS, XLW, gemv, gemv_dp4a, gemv_q8_0, grid_waves, limbs_kernel,
-                            q8_0_limbs, simulator_prefers_rows, takes_limbs, takes_norm)
+from ..kernels.gemv import (XLW, gemv, gemv_q8_0, grid_waves, limbs_kernel, q8_0_limbs,
+                            simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
@@ -232,27 +232,15 @@ class DecodeEngine:
         self.attn_combine_groups = 4
         # the Q8_0 dp4a GEMVs' x limbs four threads a chunk (False: one, for bench --decode-ab)
         self.limbs_by_words = True
-        # the persistent decode GEMVs' grids in waves of blocks (gemv.grid_waves): 1, a wave
-        # the GPU holds at once; other shares are A/B rows (are blocks of the side streams'
-        # kernels holding some of a full wave back until they end?)
-        self.gemv_waves = 1.0
-        # candidates: the Q8_0 dp4a GEMVs taking their row groups after the first from a
-        # counter (a block the SMs start late takes fewer), and their build's register cap
-        # (ptxas, CUDA 13: 202 registers uncapped, 72 bytes spilled at the 128 of DP4A_REGS)
-        self.gemv_tickets = False
-        self.gemv_dp4a_regs = DP4A_REGS
-        self.gemv_dp4a_shape = (2, 4)  # (chunks a lane, rows a warp a step): candidates too
+        # the persistent decode GEMVs' grids at 0.9 of a wave of blocks (gemv.grid_waves):
+        # room for the side streams' blocks beside them: 5.967 against 5.977 / 5.979 ms at a
+        # full wave, twice (0.75: 5.977; H100, 30 layers, BENCHMARKS 2026-12-07 (ab))
+        self.gemv_waves = 0.9
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
         self.indexer_one_warp = True
         self.scorer_counts_first_digit = True
-        # candidate: no routing launch: every block of the routed gate+up (its SM-wide build)
-        # picks the token's experts itself from the router's logits before its first stage
-        # (imma_iq2_xxs.gemv_prepared(route=), the same bits); the routing launch costs ~6.3 µs
-        # a layer on the step's path (bench --decode-without, H100, BENCHMARKS 2026-12-07
-        # (aa)). Not yet measured
-        self.route_in_gate_up = False
         # (the top-k's write-out placed from counts each block left before the second digit's
         # grid barrier, one barrier fewer, measured slower: 5.942 against 5.918 ms a step, H100,
         # 30 layers, BENCHMARKS 2026-12-07 (aa); removed)
@@ -318,8 +306,7 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words, gemv_waves,
-        gemv_tickets, gemv_dp4a_regs, gemv_dp4a_shape,
-        indexer_one_warp, scorer_counts_first_digit, route_in_gate_up, limbs_in_combine,
+        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine,
         hadamard_warp,
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
         hc_mix_prefetch,
@@ -394,8 +381,7 @@ class DecodeEngine:
     def launch_step(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
         """Launch one decode step on the engine's stream (no host sync)."""
         with limbs_kernel("words" if self.limbs_by_words else "serial"), grid_waves(
-                self.gemv_waves), gemv_dp4a(self.gemv_tickets, self.gemv_dp4a_regs,
-                                                     self.gemv_dp4a_shape):
+                self.gemv_waves):
             self._launch_step(temperature, top_p)
 
     def _launch_step(self, temperature: float, top_p: float) -> None:
@@ -643,8 +629,7 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down,
-                  route_in_gate_up=self.route_in_gate_up)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
             if pside is not side:

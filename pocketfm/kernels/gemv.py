@@ -573,11 +573,8 @@ def _norm_x(xf, base, nw, eps, K, c0, nchunk, CPL, EC, scratch):
             xf[sl] = xf[sl] * inv * nw[c * EC + i]
 
 
-TICKET_ROWS = DECODE_MAX_IDS  # grid rows a ticket workspace counts for
-
-
 def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm: bool = False,
-                   tickets: bool = False, **opts):
+                   **opts):
     """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
     16-byte chunks of its warp's K-slice and holds their x; R rows per warp per step. The next
     step's loads are issued before this step's math (registers double-buffered), so a warp
@@ -585,12 +582,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
     x then holds: int32 [T, K / 16 * XLW] from ``_q8_0_x_limbs``. ``norm`` (float types, a
     warp's K-slice the whole row): x is taken as rmsnorm(x) * nw (nw [K], eps), each warp
     normalising the x it holds (one warp sum, norm_row's formula): no norm launch before the
-    GEMV (the other kernels take nw and eps and ignore them). ``tickets``: a block's groups
-    after its first are taken from a counter (tk [1 + TICKET_ROWS] int32, zero at the launch:
-    tk[1 + y] the tickets of grid row y, tk[0] the blocks done; the last block sets it back to
-    zero) instead of every gridDim.x-th: a block that starts late (the SMs busy with another
-    stream's blocks) takes fewer groups instead of the whole kernel waiting on its share (the
-    other kernels take tk and ignore it)."""
+    GEMV (the other kernels take nw and eps and ignore them)."""
     EPW, dq, WDT = ty.epw, ty.dq, ty.wdtype
     EC = 4 * EPW  # elements per 16-byte chunk
     INT8 = int8
@@ -601,9 +593,8 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
     N_XF = 1 if INT8 else B * CPL * EC
     N_XQ, N_XS = (B * CPL * 12, B * CPL * 3) if INT8 else (1, 1)
     NORM = norm and not int8
-    TICKETS = tickets
 
-    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span, nw, eps, tk):
+    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span, nw, eps):
         # out [T, N]; wq [E, N, K/EPW]; ws [E, N, K/SB] or dummy; x [T, K]; ids [T] or dummy;
         # nw [K] float32, eps: NORM only
         # block = wr_n x wk_n warps: warp (wr, wk) takes row slot wr, K-slice wk of `span` chunks
@@ -627,11 +618,6 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
         tb = cuda.local.array(B, np.float32)
         ngroups = (N + wr_n * R - 1) // (wr_n * R)
         g = cuda.blockIdx.x
-        nxt = cuda.shared.array(2, np.int32)  # (tickets) the next group, by parity
-        ticket = 0  # (thread 0's, stored to nxt once the step's other work is issued: the
-        # store waits for the atomic, which would hold the warp back where it is issued)
-        if TICKETS and cuda.threadIdx.x == 0:
-            ticket = cuda.atomic.add(tk, 1 + cuda.blockIdx.y, 1)
         # the first step's loads need no x: send them before preparing it
         _load_rows(wn, sn, wq, ws, e * N + (g * wr_n + wr) * R, e * N + N, kw, ks, c0, nchunk,
                    R, CPL, CPS, SCALED)
@@ -657,22 +643,14 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
             for b in range(B):
                 _norm_x(xf, b * CPL * EC, nw, eps, K, c0, nchunk, CPL, EC, scratch)
         p = 0
-        if TICKETS:
-            if cuda.threadIdx.x == 0:
-                nxt[0] = cuda.gridDim.x + ticket
-            cuda.syncthreads()  # nxt[0] seen by every warp
         while g < ngroups:  # persistent blocks: grid-stride over groups of wr_n * R rows
             n0 = (g * wr_n + wr) * R
-            gn = nxt[p] if TICKETS else g + cuda.gridDim.x  # the next group
             for i in range(N_W):
                 wv[i] = wn[i]
             for i in range(N_S):
                 sv[i] = sn[i]
-            nn0 = (gn * wr_n + wr) * R if TICKETS else n0 + cuda.gridDim.x * wr_n * R
-            _load_rows(wn, sn, wq, ws, e * N + nn0, e * N + N, kw, ks, c0, nchunk, R, CPL, CPS,
-                       SCALED)
-            if TICKETS and cuda.threadIdx.x == 0 and gn < ngroups:  # (the group after gn)
-                ticket = cuda.atomic.add(tk, 1 + cuda.blockIdx.y, 1)
+            _load_rows(wn, sn, wq, ws, e * N + n0 + cuda.gridDim.x * wr_n * R, e * N + N, kw, ks,
+                       c0, nchunk, R, CPL, CPS, SCALED)
             for i in range(R):
                 for b in range(B):
                     acc[i * B + b] = np.float32(0)
@@ -694,8 +672,6 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                         for b in range(B):
                             acc[i * B + b] += (tb[b] * np.float32(sv[i * CPL + j]) if SCALED
                                                else tb[b])
-            if TICKETS and cuda.threadIdx.x == 0:  # (read after the barrier below)
-                nxt[p ^ 1] = cuda.gridDim.x + ticket
             for i in range(R):
                 for b in range(B):
                     v = warp_sum(acc[i * B + b], scratch)
@@ -716,21 +692,10 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                         for kw_ in range(wk_n):
                             s += part[((p * 32 + r * wk_n + kw_) * R + i) * B + b]
                         out[t0 + b, n] = s
-            elif TICKETS:
-                cuda.syncthreads()  # nxt[p ^ 1] seen by every warp
-            p ^= 1
-            # (tickets: not read from nxt again, thread 0 may rewrite it before a late warp;
-            # without: gn not kept live across the step, the build as before tickets)
-            g = gn if TICKETS else g + cuda.gridDim.x
-        if TICKETS and cuda.threadIdx.x == 0:  # the last block out sets the counters back
-            cuda.threadfence()
-            if cuda.atomic.add(tk, 0, 1) == cuda.gridDim.x * cuda.gridDim.y - 1:
-                for y in range(cuda.gridDim.y):
-                    tk[1 + y] = 0
-                tk[0] = 0
+                p ^= 1
+            g += cuda.gridDim.x
     form = "dp4a" if INT8 else "xregs_norm" if NORM else "xregs"
-    return _named(k, f"_gemv_{ty.name}_{form}{'_tickets' if tickets else ''}_prefetch_splitk_b{B}",
-                  **opts)
+    return _named(k, f"_gemv_{ty.name}_{form}_prefetch_splitk_b{B}", **opts)
 
 
 TK = 32  # K step of the tiled GEMM (one Q8_0 block)
@@ -849,20 +814,6 @@ def _decode_shape(ty: _Type, B: int) -> tuple[int, int]:
     return cpl, 2 if ty.epw == 1 or (ty.epw == 4 and B > 1) else 4
 
 
-_DP4A: dict = {}
-_DP4A_AS_LANDED = (False, DP4A_REGS, (2, 4))  # (tickets, register cap, (CPL, R))
-
-
-def _dp4a_kernel(tickets: bool, regs: int, shape: tuple = (2, 4)):
-    """The Q8_0 dp4a decode kernel (B = 1, shape (CPL, R)) with or without tickets, capped at
-    ``regs`` registers (built on first use: the candidates gemv_dp4a(...) asks for)."""
-    key = (tickets, regs, tuple(shape))
-    if key not in _DP4A:
-        _DP4A[key] = _decode_kernel(_Q8_0, 1, *shape, int8=True, tickets=tickets,
-                                    max_registers=regs)
-    return _DP4A[key]
-
-
 class _Kernels(NamedTuple):
     naive: object
     decode: dict  # B -> kernel
@@ -875,7 +826,8 @@ _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
                                {B: _decode_kernel(ty, B, *_decode_shape(ty, B))
                                 for B in range(1, DECODE_MAX_TOKENS + 1)},
                                _batched_kernel(ty, GEMM_MICRO, GEMM_MICRO),
-                               _dp4a_kernel(False, DP4A_REGS) if ty is _Q8_0 else None,
+                               _decode_kernel(ty, 1, 2, 4, int8=True, max_registers=DP4A_REGS)
+                               if ty is _Q8_0 else None,
                                None if ty is _Q8_0 else
                                _decode_kernel(ty, 1, *_decode_shape(ty, 1), norm=True))
             for ty in (_F32, _F16, _BF16, _Q8_0)}
@@ -890,38 +842,12 @@ _STATE: dict = {}
 def _dummies():
     """(ids int32 [1], scales float16 [1, 1, 1], norm weight float32 [1]): stand-ins for absent
     arguments, allocated once so a launch allocates nothing (and can be captured in a CUDA
-    graph). The ids' stand-in is also the ticket workspace of the kernels without tickets."""
+    graph)."""
     if "ids" not in _STATE:
         _STATE["ids"] = cuda.to_device(np.zeros(1, np.int32))
         _STATE["scale"] = cuda.to_device(np.zeros((1, 1, 1), np.float16))
         _STATE["norm"] = cuda.to_device(np.zeros(1, np.float32))
     return _STATE["ids"], _STATE["scale"], _STATE["norm"]
-
-
-def _ticket_workspace(stream):
-    """The dp4a tickets kernel's counters on ``stream`` (int32 [1 + TICKET_ROWS]), zeroed when
-    first made: launches on one stream run in turn, and each leaves them at zero."""
-    tk = stream_buffer("gemv tickets", stream, (1 + TICKET_ROWS,), np.int32)
-    made = _STATE.setdefault("tickets made", set())
-    if id(tk) not in made:
-        tk.copy_to_device(np.zeros(1 + TICKET_ROWS, np.int32), stream=stream)
-        made.add(id(tk))
-    return tk
-
-
-@contextlib.contextmanager
-def gemv_dp4a(tickets: bool = False, regs: int = DP4A_REGS, shape: tuple = (2, 4)):
-    """Inside, the Q8_0 dp4a GEMVs take their row groups after the first from a counter
-    (_decode_kernel(tickets=True)) and / or run a build capped at ``regs`` registers, of
-    ``shape`` (chunks a lane, rows a warp a step): A/Bs (the decode engine's ``gemv_tickets``,
-    ``gemv_dp4a_regs`` and ``gemv_dp4a_shape``; ptxas, CUDA 13: (2, 4) 205 registers uncapped,
-    68 bytes spilled at 128; (2, 2) and (1, 4) none)."""
-    before = _STATE.get("dp4a", _DP4A_AS_LANDED)
-    _STATE["dp4a"] = (bool(tickets), int(regs), tuple(shape))
-    try:
-        yield
-    finally:
-        _STATE["dp4a"] = before
 
 
 def simulator_prefers_rows(on: bool = True) -> None:
@@ -1006,31 +932,23 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         blocks = 1 if SIMULATOR else cdiv(N, nt)  # (simulator: striding, fewer Python threads)
         _ROWS[ty.qtype][(blocks, T), nt, stream](out, w.planes[0], ws, x, ids_arg, per_token, K)
     elif method in ("decode", "dp4a"):
-        rows = T // B
-        if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
-            method = "dp4a"
-        dp4a = _STATE.get("dp4a", _DP4A_AS_LANDED) if method == "dp4a" else None
-        # Q8_0 at B = 1: (2, 4), the dp4a kernel's shape too (unless gemv_dp4a(shape=))
-        cpl, R = dp4a[2] if dp4a else _decode_shape(ty, B)
+        cpl, R = _decode_shape(ty, B)  # Q8_0 at B = 1: (2, 4), the dp4a kernel's shape too
         nchunk = K // EC
         wk_n = split_k or cdiv(nchunk, 32 * cpl)
         span = cdiv(nchunk, wk_n)
         assert K % EC == 0 and span <= 32 * cpl and wk_n <= 32, (K, wk_n)
         wr_n = max(1, (threads or 128) // (32 * wk_n))
         nt = 32 * wk_n * wr_n
-        groups = cdiv(N, wr_n * R)
+        groups, rows = cdiv(N, wr_n * R), T // B
         k = kern.decode[B] if norm is None else kern.norm
         nw, eps = (norm_dummy, 0.0) if norm is None else norm
         args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span, nw,
-                np.float32(eps), ids_dummy)
+                np.float32(eps))
+        if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
+            method = "dp4a"
         if method == "dp4a":  # x -> int8 limbs once (unless made already), then the GEMV
             xl = limbs if limbs is not None else q8_0_limbs(x, stream)
-            args = args[:3] + (xl,) + args[4:]
-            k = kern.dp4a if dp4a == _DP4A_AS_LANDED else _dp4a_kernel(*dp4a)
-            tickets = dp4a[0]
-            if tickets:
-                assert rows <= TICKET_ROWS
-                args = args[:-1] + (_ticket_workspace(stream),)
+            k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
         k[(min(groups, _wave(k, args, nt, rows)), rows), nt, stream](*args)
     else:
         nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
@@ -1152,15 +1070,14 @@ def _signatures():
         ks = _KERNELS[ty.qtype]
         yield ks.naive, h + "int64, int64)"
         yield _ROWS[ty.qtype], h + "int64, int64)"
-        tail = "int64, int64, int64, int64, int64, float32[::1], float32, int32[::1])"
+        tail = "int64, int64, int64, int64, int64, float32[::1], float32)"
         for kd in ks.decode.values():
             yield kd, h + tail
         if ks.norm:
             yield ks.norm, h + tail
         if ks.dp4a:  # x: the prepared limbs
-            for kd in (ks.dp4a, _dp4a_kernel(True, DP4A_REGS)):  # (the tickets: candidate)
-                yield kd, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
-                    + tail
+            yield ks.dp4a, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
+                + tail
         yield ks.batched, h.replace("void(float32[:, ::1]", "void(float32[:, :, ::1]") + \
             "int64, int64, int64, int64, int64)"
     yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"

@@ -47,7 +47,6 @@ from .imma import (ROWS, WARPS, XCH, _lds_u32, _mma_s8, _shared_at, _shf_r, _syn
                    tile_thread)
 from .lowbit_layout import _ld_u64x2, _prmt
 from .qweight import QWeight
-from .routing import MAX_E, MAX_K, pick_experts, write_weights
 
 GROUP = 32  # columns a group (the MMA's K; one IQ2_XXS scale)
 STAGE = 16  # groups a warp stages at a time: 512 columns, 128 bytes of each row
@@ -280,7 +279,7 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
     return gemv_iq2_xxs_imma_tiles
 
 
-def _sm_tiles_body(sign_alu: bool, subs: int, route: bool = False):
+def _sm_tiles_body(sign_alu: bool, subs: int):
     """The SM-wide build: one block of subs x WARPS warps an SM (subs <= SM_SUBS; 128-168
     registers a thread: the whole register file) sharing one set of SM_REPS table copies, a
     copy a lane, so that no lookup meets another in a bank ((k): 51% of the shared wavefronts
@@ -296,11 +295,9 @@ def _sm_tiles_body(sign_alu: bool, subs: int, route: bool = False):
     (l + k) mod 32 so that a warp's stores meet no bank twice (Nsight, H100, 2026-12-07 (x): a
     quarter of the samples were this set-up when every thread loaded and stored 32 words four
     at a time, each load a constant-cache round trip, the first stage requested only after).
-
-    ``route``: the kernel picks its token's experts itself first (routing.pick_experts, every
-    block alike, from the router's logits) instead of reading ids a routing launch made; block
-    (0, 0) writes them and their weights for the launches after it (moe_layer's
-    route_in_gate_up)."""
+    (A build picking its token's experts itself before its first stage, no routing launch
+    before it, measured slower in the step: 6.048 against 5.977 ms, H100, 30 layers,
+    BENCHMARKS 2026-12-07 (ab); removed. The body is still a device function of its own.)"""
     tile_stages = _group_math(SM_REPS, sign_alu)
     table_words = (256 if sign_alu else 384) * SM_REPS
     rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
@@ -357,24 +354,7 @@ def _sm_tiles_body(sign_alu: bool, subs: int, route: bool = False):
         red = cuda.shared.array((SM_WARPS, ROWS), float32)
         xch = cuda.shared.array(SM_XCH, uint64)
         tiles(out, qs, d, xq, xs, e, b, bx, tab, rows, red, xch)
-
-    def gemv_iq2_xxs_imma_sm_tiles_routed(out, qs, d, xq, xs, ids, nw, logits, bias, tid2eid,
-                                          tokens, use_hash, routed_scale, normalise, out_ids,
-                                          out_w):
-        # as above, ids made here: ids [k] is out_ids [1, k] flat (the one token's experts)
-        b = cuda.blockIdx.y
-        picked = cuda.shared.array(MAX_K, int32)
-        s = cuda.shared.array(MAX_E, float32)
-        pick_experts(picked, s, logits, bias, tid2eid, tokens, 0, use_hash, ids.shape[0])
-        if cuda.blockIdx.x == 0 and b == 0:
-            write_weights(out_ids, out_w, picked, s, 0, ids.shape[0], routed_scale, normalise)
-        bx = min(b, xs.shape[0] // qs.shape[2] - 1)
-        tab = cuda.shared.array(0, uint32)
-        rows = cuda.shared.array(0, uint64)
-        red = cuda.shared.array((SM_WARPS, ROWS), float32)
-        xch = cuda.shared.array(SM_XCH, uint64)
-        tiles(out, qs, d, xq, xs, picked[b], b, bx, tab, rows, red, xch)
-    return gemv_iq2_xxs_imma_sm_tiles_routed if route else gemv_iq2_xxs_imma_sm_tiles
+    return gemv_iq2_xxs_imma_sm_tiles
 
 
 def sm_tiles_smem(sign_alu: bool = False, subs: int = SM_SUBS) -> int:
@@ -435,20 +415,16 @@ def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
     return k
 
 
-def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS, route: bool = False):
+def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS):
     """The SM-wide build (_sm_tiles_body) of ``subs`` sub-blocks, its registers capped so
     that one block fills the register file (128 a thread at 4, 8 bytes spilled; 168 at 3).
-    ``smem``: its dynamic shared bytes; ``subs``: its tiles at once; ``route``: the build
-    that picks its experts itself (``routed``: that build of this one)."""
+    ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
     assert 1 <= subs <= SM_SUBS
-    k = kernel(_sm_tiles_body(sign_alu, subs, route),
+    k = kernel(_sm_tiles_body(sign_alu, subs),
                max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
     k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_sm_tiles" + "".join(
-        f"_{v}" for v, on in (("alu_signs", sign_alu), (f"subs{subs}", subs != SM_SUBS),
-                              ("routed", route)) if on)
+        f"_{v}" for v, on in (("alu_signs", sign_alu), (f"subs{subs}", subs != SM_SUBS)) if on)
     k.smem, k.subs = sm_tiles_smem(sign_alu, subs), subs
-    if not route:
-        k.routed = _sm_tiles_kernel(sign_alu, subs, True)
     return k
 
 
@@ -490,23 +466,10 @@ def prepare_x(x, stream=0):
     return xq, xs
 
 
-def takes_route(w: QWeight, build) -> bool:
-    """Whether gemv_prepared(route=) serves ``w`` with ``build``: an SM-wide build (only they
-    have a routed form) over rows of whole multiples of WARPS stages."""
-    k = CANDIDATES.get(build) if isinstance(build, str) else None
-    return (k is not None and hasattr(k, "routed") and takes_imma(w)
-            and w.cols // (GROUP * STAGE) % WARPS == 0)
-
-
-def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None,
-                  route=None) -> None:
+def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> None:
     """out[T, N] = W · x[t] (or W[ids[t]] · x[t]) on x from ``prepare_x`` (one x row may serve
     every id); ``takes_imma(w)`` must hold. ``build``: a key of CANDIDATES (A/B; an SM-wide
-    one where the rows are whole multiples of WARPS stages, else the default build).
-    ``route``: (logits [1, E], bias, tid2eid, token, use_hash, routed_scale, normalise,
-    out_ids [1, k], out_w [1, k]) with ``ids`` out_ids flat: the kernel picks the token's k
-    experts itself (moe.route_chunk's choice, the same bits) and writes them and their weights
-    to out_ids / out_w, no routing launch before it; ``takes_route(w, build)`` must hold."""
+    one where the rows are whole multiples of WARPS stages, else the default build)."""
     from .gemv_lowbit import _no_ids
 
     T, N = out.shape
@@ -517,12 +480,7 @@ def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None,
     qs, d = w.planes
     args = (out, qs, d, xq, xs, _no_ids() if ids is None else ids, nw)
     k = _gemv_iq2_xxs_imma_tiles if build is None else CANDIDATES[build]
-    if route is not None:
-        assert takes_route(w, build) and ids is not None and T == ids.shape[0], (w, build)
-        logits, bias, tid2eid, token, use_hash, scale, normalise, out_ids, out_w = route
-        k, args = k.routed, args + (logits, bias, tid2eid, token, int32(use_hash),
-                                    float32(scale), int32(normalise), out_ids, out_w)
-    elif getattr(k, "subs", 1) > 1 and nw != WARPS:  # the SM-wide build takes WARPS warps a tile
+    if getattr(k, "subs", 1) > 1 and nw != WARPS:  # the SM-wide build takes WARPS warps a tile
         k = _gemv_iq2_xxs_imma_tiles
     subs, smem = getattr(k, "subs", 1), getattr(k, "smem", 0)  # (the SM-wide build's)
     resident = resident_blocks(k, args, 32 * nw * subs, smem, simulated=2 * T)
@@ -540,9 +498,6 @@ def gemv_iq2_xxs_imma(out, w: QWeight, x, ids=None, stream=0) -> None:
 _TILES_SIG = ("void(float32[:, ::1], uint64[:, :, ::1], float16[:, :, ::1], uint64[::1], "
               "float32[::1], int32[::1], int64)")
 PTX_SIGNATURES = [(k, _TILES_SIG) for k in (_gemv_iq2_xxs_imma_tiles, *CANDIDATES.values())]
-PTX_SIGNATURES += [(k.routed, _TILES_SIG[:-1] + ", float32[:, ::1], float32[::1], int32[:, ::1], "
-                    "int32[::1], int32, float32, int32, int32[:, ::1], float32[:, ::1])")
-                   for k in CANDIDATES.values() if hasattr(k, "routed")]
 PTX_SIGNATURES.append((_x_imma_groups, "void(uint64[::1], float32[::1], float32[:, ::1])"))
 
 

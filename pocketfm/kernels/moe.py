@@ -392,7 +392,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
               threads=None, side=None, side_x=None, imma_gate_up=False,
-              imma_down: bool = False, route_in_gate_up: bool = False) -> None:
+              imma_down: bool = False) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -406,9 +406,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     or a name of imma_iq2_xxs.CANDIDATES): the fused routed gate/up on imma_iq2_xxs.py's int8
     kernel where it takes the weight (IQ2_XXS), instead of the dp4a one (its x preparation on
     ``side_x`` alike); ``imma_down``: the routed down on imma_q2_k's kernel where it takes the
-    weight (Q2_K, gate and up fused); ``route_in_gate_up``: no routing launch where the imma
-    gate+up's build takes it (imma_iq2_xxs.takes_route: its SM-wide builds), which picks the
-    experts itself (the same bits). Launches only, into ``scratch``: graph-capturable.
+    weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable.
     Which launches depends on the weight types (module docstring); the fusions change no bit
     of the result. ``out`` None (with a shared expert): no combine launch; the output is left
     in parts, ``scratch.parts`` [1, k + 1, D], for a reader that adds them in combine's order
@@ -441,13 +439,11 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     elif side_x is not None and fused and takes_prepared_x(gate_exps, threads):
         prepared = prepare_x(gate_exps, x, side_x.fork(stream))
     gemv(sc.logits, gate_inp, x, None, stream, threads)
-    route = None  # (the gate+up's kernel routes: its arguments)
-    if route_in_gate_up and on_imma and imma_iq2_xxs.takes_route(gate_exps, build):
-        route = (sc.logits, bias, tid2eid, token, use_hash, routed_scale, normalise, sc.ids,
-                 sc.w_routed)
-    else:
-        route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash,
-                    routed_scale, normalise, stream, threads)
+    # (the routing inside the SM-wide gate+up's launch, every block picking the experts itself,
+    # measured slower: 6.048 against 5.977 ms a step, H100, 30 layers, BENCHMARKS 2026-12-07
+    # (ab); removed)
+    route_chunk(sc.ids, sc.w_routed, sc.logits, bias, tid2eid, token, use_hash, routed_scale,
+                normalise, stream, threads)
     # the low-bit ids-GEMVs read the one row x for every id; gemv.py's types want k copies
     one_x = all(shares_x_row(w) for w in (gate_exps, up_exps) if w is not None)
     if not one_x:
@@ -456,13 +452,12 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     if prepared is not None:
         side_x.join(stream)
         if on_imma:
-            imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, build,
-                                       route)
+            imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, build)
         else:
             gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, threads)
     elif on_imma:
         imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, imma_iq2_xxs.prepare_x(x, stream),
-                                   sc.ids_k, stream, build, route)
+                                   sc.ids_k, stream, build)
     elif fused:
         gemv(R["gate_up"], gate_exps, x_ids, sc.ids_k, stream, threads)
     else:

@@ -157,45 +157,6 @@ def test_the_decode_grids_in_shares_of_a_wave_give_the_same_bits(method, name):
     assert np.array_equal(outs[0.5], outs[1]) and np.array_equal(outs[2], outs[1])
 
 
-@pytest.mark.parametrize("E,N,K,T,split_k", [(3, 37, 128, 2, None), (1, 45, 256, 1, 2)])
-def test_the_dp4a_kernel_taking_tickets_gives_the_same_bits(E, N, K, T, split_k):
-    """gemv_dp4a(tickets=True): the dp4a kernel takes each block's groups after its first from
-    the stream's counters: every row once, so the outputs are the grid-stride kernel's bit for
-    bit (grid rows by ids, and K split over 2 warps); the counters are back at zero after each
-    launch, so a second launch on the stream (at half a wave: more groups a block) agrees too;
-    so does the build capped at other registers (gemv_dp4a(regs=): its cap is a GPU matter),
-    and the builds of other shapes: bit for bit at 2 rows a step (a row's sums are a lane's
-    and a warp's as before), to rounding at one chunk a lane (the lanes' sums grouped
-    otherwise)."""
-    rng = fresh_rng()
-    w, x, ids, ref = _case("q8_0", E, N, K, T, E > 1, rng)
-    wd, xd = w.to_device(), cuda.to_device(x)
-    idd = None if ids is None else cuda.to_device(ids)
-    stream = cuda.stream()
-    outs = {}
-    for tickets, share, regs, shape in ((False, 1, gemv.DP4A_REGS, (2, 4)),
-                                        (True, 1, gemv.DP4A_REGS, (2, 4)),
-                                        (True, 0.5, gemv.DP4A_REGS, (2, 4)),
-                                        (False, 1, 168, (2, 4)), (False, 1, 128, (2, 2)),
-                                        (True, 1, 128, (1, 4))):
-        out = poisoned((T, N))
-        with gemv.gemv_dp4a(tickets, regs, shape), gemv.grid_waves(share):
-            gemv.gemv_q8_0(out, wd, xd, idd, stream=stream, threads=THREADS, method="dp4a",
-                           split_k=split_k)
-        stream.synchronize()
-        outs[tickets, share, regs, shape] = out.copy_to_host()
-        if tickets:
-            tk = gemv._ticket_workspace(stream).copy_to_host()
-            assert not tk.any(), tk
-    first = outs.pop((False, 1, gemv.DP4A_REGS, (2, 4)))
-    assert rel_err(first, ref) <= 1e-4
-    for case, o in outs.items():
-        if case[3] == (2, 4) or case[3] == (2, 2):  # (the same chunks a lane: the same sums)
-            assert np.array_equal(o, first), case
-        else:
-            assert rel_err(o, ref) <= 1e-4, case
-
-
 @pytest.mark.parametrize("T,K", [(1, 4096), (2, 96), (3, 1024)])
 def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
     """_q8_0_x_limbs_words (the default) writes exactly the words of _q8_0_x_limbs (a thread a

@@ -237,8 +237,7 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
         moe.moe_layer(out, d_x, bias=d_bias, tid2eid=d_tid2eid, token=d_token, scratch=scratch,
                       threads=THREADS, side=side, side_x=side_x,
                       imma_gate_up=step.get("imma", False),
-                      imma_down=step.get("imma_down", False),
-                      route_in_gate_up=step.get("route_in_gate_up", False), **d, **layer)
+                      imma_down=step.get("imma_down", False), **d, **layer)
         cuda.synchronize()
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
@@ -308,29 +307,6 @@ def test_moe_layer_lowbit_without_shared_expert_fusions_change_no_bit(monkeypatc
     monkeypatch.setattr(moe, "fuses_swiglu", lambda w, threads=None: False)
     unfused = run()
     assert all(np.array_equal(a, b) for a, b in zip(fused, unfused))
-
-
-def test_moe_layer_routing_in_the_gate_up_changes_no_bit(monkeypatch):
-    """route_in_gate_up with the SM-wide imma gate+up ("sm3", D = 2048: whole stages of its 4
-    warps): no routing launch, the gate+up's blocks pick the experts (a biased layer, x prepared
-    beside the router; hash layers: test_imma_iq2_xxs.py): the same output bit for bit as the
-    routing launch before the same build (same seed), and the reference's. (~2 minutes in the
-    simulator: the smallest D the SM-wide build takes.)"""
-    seed = int(fresh_rng().integers(2**32))
-    D, F, E, k = 2048, 256, 4, 2
-
-    def run(fold):
-        rng = np.random.default_rng(seed)
-        host = _weights(rng, D, F, E, routed=(GGMLType.IQ2_XXS, GGMLType.Q2_K))
-        steps = [dict(no_shared=True, fused=True, imma="sm3", side_x=True,
-                      route_in_gate_up=fold)]
-        return _check_moe_layer(rng, host, D, F, E, k, steps, tol=5e-4)
-    routes = _spy(monkeypatch, moe, "route_chunk")
-    folded = run(True)
-    assert not routes  # no routing launch
-    apart = run(False)
-    assert len(routes) == 1
-    assert all(np.array_equal(a, b) for a, b in zip(folded, apart))
 
 
 def _spy(monkeypatch, module, name) -> list:
