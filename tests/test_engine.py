@@ -402,21 +402,6 @@ def test_the_decode_gemvs_grids_at_a_share_of_a_wave_change_no_logit():
         _assert_setting_changes_no_logit("gemv_waves", on=share, off=1.0)
 
 
-@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the dp4a q_b)")
-def test_q_norm_in_q_b_changes_the_logits_by_rounding_only():
-    """DecodeEngine.q_norm_in_q_b: q's per-head norm + RoPE by the q_b GEMV's warps instead of
-    _rmsnorm_rope_rows: the norm's sum in another order, so the logits agree to rounding (1
-    layer: window-only; 4: amplified by the next layers' picks, as for the bf16 tile), eager
-    and replayed (the head counters are back at zero after every launch, or the replay would
-    leave q unnormed)."""
-    for layers, bound in ((1, 1e-5), (4, 5e-3)):
-        logits = _flash_4_layer_logits({"launch": dict(q_norm_in_q_b=False),
-                                        "in q_b": dict(q_norm_in_q_b=True)}, layers, graph=True)
-        for how in (0, 1):  # eager, replayed
-            assert _rel(logits["in q_b"][how], logits["launch"][how]) <= bound, (layers, how)
-        assert not np.array_equal(logits["in q_b"][0], logits["launch"][0])  # (each ran)
-
-
 def _assert_setting_changes_no_logit(setting: str, on=True, off=False) -> None:
     """The flash 4-layer logits with DecodeEngine ``setting`` on equal those with it off, bit
     for bit, eager and replayed."""

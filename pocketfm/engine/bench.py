@@ -256,15 +256,14 @@ def _decode_variants() -> dict:
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block; the persistent decode GEMVs' grids at 0.9 of a wave, room
-    for the side streams' blocks) or try a candidate (q's per-head norm + RoPE made by the q_b
-    GEMV's warps that write a head's last rows, no launch after it: not yet measured; those
-    grids at 0.75 of a wave: nil; the q_a
+    for the side streams' blocks) or try a candidate (those grids at 0.75 of a wave: nil; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
     gate+up's launch (6.048 against 5.977 ms), the Q8_0 dp4a GEMVs taking their row groups from
     a counter (6.840), capped at 255 registers (6.168) or built for 2 rows a step (5.981) or a
-    chunk a lane (6.414) were candidates too (H100, 30 layers, 2026-12-07 (ab)), dropped. The
+    chunk a lane (6.414), and q's norm + RoPE made by the q_b GEMV (6.092 against 5.867 on
+    another H100) were candidates too (H100, 30 layers, 2026-12-07 (ab)), dropped. The
     top-k's write-out placed from counts
     left before its second grid barrier, one barrier fewer, was a candidate too: 5.942 against
     5.918 ms, H100, 30 layers, 2026-12-07 (aa), dropped. HC pre's mix and u in one launch (the last
@@ -289,7 +288,6 @@ def _decode_variants() -> dict:
             "x limbs a thread a chunk": dict(limbs_by_words=False),
             "the decode GEMVs' grids at a full wave (before)": dict(gemv_waves=1.0),
             "the decode GEMVs' grids at 0.75 of a wave": dict(gemv_waves=0.75),
-            "q's norm + RoPE made by the q_b GEMV (candidate)": dict(q_norm_in_q_b=True),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),

@@ -41,7 +41,7 @@ from ..kernels.attention import MMA_TILES, attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, grid_waves, limbs_kernel, q8_0_limbs,
-                            simulator_prefers_rows, takes_head_norm, takes_limbs, takes_norm)
+                            simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
@@ -236,11 +236,6 @@ class DecodeEngine:
         # room for the side streams' blocks beside them: 5.967 against 5.977 / 5.979 ms at a
         # full wave, twice (0.75: 5.977; H100, 30 layers, BENCHMARKS 2026-12-07 (ab))
         self.gemv_waves = 0.9
-        # candidate: q's per-head norm + RoPE made by the q_b GEMV (the warp writing a head's
-        # last rows; gemv_q8_0(head_norm=)) instead of a launch after it: that launch and kv's
-        # cost 2.7 µs a layer (bench --decode-without, H100, 30 layers, 2026-12-07 (ab));
-        # not yet measured
-        self.q_norm_in_q_b = False
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -311,7 +306,6 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words, gemv_waves,
-        q_norm_in_q_b,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine,
         hadamard_warp,
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
@@ -476,21 +470,18 @@ class DecodeEngine:
         if in_readers and limbs is None:  # (q_b's limbs with the norm, beside the indexer)
             limbs = q8_0_limbs(self.cq, sq, norm=(self.cq_norm, L.q_a_norm, eps),
                                name="q_b limbs")
-        q_norm = None  # (q's norm + RoPE by the q_b GEMV: its arguments)
         if limbs is not None:
-            if self.q_norm_in_q_b and takes_head_norm(L.q_b, K):
-                q_norm = (K, eps, self.pos, L.freqs)
-            gemv_q8_0(self.q.reshape(1, H * K), L.q_b, None, stream=sq, threads=nt, limbs=limbs,
-                      head_norm=q_norm)
+            gemv_q8_0(self.q.reshape(1, H * K), L.q_b, None, stream=sq, threads=nt, limbs=limbs)
         else:
             gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
         q2 = self.q.reshape(H, K)
         # the weightless per-head norm, then RoPE (made by HCA's tensor-core attention as it
         # loads q instead: its build spills, and it measured nil with post + comb and the
-        # compressor apart: 8.988 against 8.983 ms, H200, 43 layers, 2026-12-06 (p))
-        if q_norm is None:
-            rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
-                         threads=nt, **sim)
+        # compressor apart: 8.988 against 8.983 ms, H200, 43 layers, 2026-12-06 (p); made by
+        # the q_b GEMV's warp that wrote a head's last rows: 6.092 against 5.867 ms, H100, 30
+        # layers, 2026-12-07 (ab); both removed)
+        rmsnorm_rope(self.q, self.q, self.ones[:K], eps, False, self.pos, L.freqs, sq,
+                     threads=nt, **sim)
         if cfg.is_csa(i):
             self._indexer(i, L, c, idx_x)
         if self.branches:

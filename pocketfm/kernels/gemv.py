@@ -573,40 +573,8 @@ def _norm_x(xf, base, nw, eps, K, c0, nchunk, CPL, EC, scratch):
             xf[sl] = xf[sl] * inv * nw[c * EC + i]
 
 
-HEAD_MAX_PAIRS = 64  # the head norm's RoPE pairs (V4: 32)
-HEAD_LIST = 32  # heads a warp may finish in one launch (a head a row-group step at most)
-_HEAD_SLOTS = 32 * HEAD_LIST  # (a block's lists: a literal size for cuda.shared.array)
-
-
-@cuda.jit(device=True, inline="always")
-def _head_norm_rope(out, t, h, hd, cs, sn, P, eps, lane, scratch):
-    """Head h of out[t] (rows h·hd ..): the weightless RMSNorm, then the forward RoPE on its
-    last 2P dims (cs / sn [P]: the float32 cos / sin of _rmsnorm_rope_rows' float64 angles),
-    in place, by one warp (its formula; the norm's sum in another order: rounding apart). The
-    simulator's lane 0 does it alone (the simulator's shuffles need the whole block)."""
-    step = 1 if SIMULATOR else 32
-    me = 0 if SIMULATOR else lane
-    base = h * hd
-    nope = hd - 2 * P
-    ss = np.float32(0)
-    for i in range(me, hd, step):
-        v = out[t, base + i]
-        ss += v * v
-    if not SIMULATOR:
-        ss = warp_sum(ss, scratch)
-    inv = np.float32(1.0 / math.sqrt(ss / hd + eps))
-    for i in range(me, nope, step):
-        out[t, base + i] = out[t, base + i] * inv
-    for k in range(me, P, step):
-        i = base + nope + 2 * k
-        x0 = out[t, i] * inv
-        x1 = out[t, i + 1] * inv
-        out[t, i] = x0 * cs[k] - x1 * sn[k]
-        out[t, i + 1] = x0 * sn[k] + x1 * cs[k]
-
-
 def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm: bool = False,
-                   head_norm: bool = False, **opts):
+                   **opts):
     """B tokens sharing the rows (or 1 expert-indexed token per blockIdx.y); each lane owns CPL
     16-byte chunks of its warp's K-slice and holds their x; R rows per warp per step. The next
     step's loads are issued before this step's math (registers double-buffered), so a warp
@@ -614,13 +582,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
     x then holds: int32 [T, K / 16 * XLW] from ``_q8_0_x_limbs``. ``norm`` (float types, a
     warp's K-slice the whole row): x is taken as rmsnorm(x) * nw (nw [K], eps), each warp
     normalising the x it holds (one warp sum, norm_row's formula): no norm launch before the
-    GEMV (the other kernels take nw and eps and ignore them). ``head_norm`` (int8, a warp's
-    K-slice the whole row, B = 1): out's rows in heads of ``hd`` are each RMSNormed (no
-    weight, eps) and RoPE'd at pos[0] (freqs [P]) by the warp that writes a head's last rows
-    (counters hn [heads], zero at the launch and set back by that warp), once its loop is
-    done (_head_norm_rope: in the loop its code made ptxas spill): the q_b GEMV with q's
-    norm + RoPE, no launch after it (the other kernels take hn, pos, freqs, hd and ignore
-    them)."""
+    GEMV (the other kernels take nw and eps and ignore them)."""
     EPW, dq, WDT = ty.epw, ty.dq, ty.wdtype
     EC = 4 * EPW  # elements per 16-byte chunk
     INT8 = int8
@@ -631,9 +593,8 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
     N_XF = 1 if INT8 else B * CPL * EC
     N_XQ, N_XS = (B * CPL * 12, B * CPL * 3) if INT8 else (1, 1)
     NORM = norm and not int8
-    HEAD_NORM = head_norm and int8 and B == 1
 
-    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span, nw, eps, hn, pos, freqs, hd):
+    def k(out, wq, ws, x, ids, per_token, N, K, wk_n, span, nw, eps):
         # out [T, N]; wq [E, N, K/EPW]; ws [E, N, K/SB] or dummy; x [T, K]; ids [T] or dummy;
         # nw [K] float32, eps: NORM only
         # block = wr_n x wk_n warps: warp (wr, wk) takes row slot wr, K-slice wk of `span` chunks
@@ -657,16 +618,6 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
         tb = cuda.local.array(B, np.float32)
         ngroups = (N + wr_n * R - 1) // (wr_n * R)
         g = cuda.blockIdx.x
-        hcs = cuda.shared.array(HEAD_MAX_PAIRS, np.float32)  # (head_norm: RoPE's cos / sin)
-        hsn = cuda.shared.array(HEAD_MAX_PAIRS, np.float32)
-        heads = cuda.shared.array(_HEAD_SLOTS, np.int32)  # (head_norm: those a warp ends)
-        n_heads = 0  # (lane 0's count of them)
-        if HEAD_NORM:  # (first: with loads in flight, the float64 trig's calls make ptxas
-            # spill the registers live across them)
-            for kk in range(cuda.threadIdx.x, freqs.shape[0], cuda.blockDim.x):
-                ang = float(pos[0]) * freqs[kk]
-                hcs[kk] = math.cos(ang)
-                hsn[kk] = math.sin(ang)
         # the first step's loads need no x: send them before preparing it
         _load_rows(wn, sn, wq, ws, e * N + (g * wr_n + wr) * R, e * N + N, kw, ks, c0, nchunk,
                    R, CPL, CPS, SCALED)
@@ -691,8 +642,6 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
         if NORM:  # (wk_n = 1: the warp's lanes hold the whole row of each token)
             for b in range(B):
                 _norm_x(xf, b * CPL * EC, nw, eps, K, c0, nchunk, CPL, EC, scratch)
-        if HEAD_NORM:
-            cuda.syncthreads()  # (hcs / hsn, made above, seen by every warp)
         p = 0
         while g < ngroups:  # persistent blocks: grid-stride over groups of wr_n * R rows
             n0 = (g * wr_n + wr) * R
@@ -732,11 +681,6 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                                 out[t0 + b, n0 + i] = v
                         else:
                             part[((p * 32 + warp) * R + i) * B + b] = v
-            if HEAD_NORM and lane == 0 and n0 < N:  # (the launcher: wk_n = 1, hd | N, R | hd)
-                cuda.threadfence()  # this warp's rows before its count
-                if cuda.atomic.add(hn, n0 // hd, 1) == hd // R - 1:  # the head's last rows
-                    heads[warp * HEAD_LIST + n_heads] = n0 // hd
-                    n_heads += 1
             if wk_n > 1:  # add the K-slices in a fixed order; parity buffers: one barrier
                 cuda.syncthreads()
                 t = cuda.threadIdx.x
@@ -750,18 +694,7 @@ def _decode_kernel(ty: _Type, B: int, CPL: int, R: int, int8: bool = False, norm
                         out[t0 + b, n] = s
                 p ^= 1
             g += cuda.gridDim.x
-        if HEAD_NORM:  # the heads whose last rows this warp wrote, now its registers are free
-            cuda.threadfence()  # (the other warps' rows, counted before the last count)
-            if not SIMULATOR:
-                cuda.syncwarp()  # (lane 0's list seen by the warp)
-                n_heads = cuda.shfl_sync(0xFFFFFFFF, n_heads, 0)
-            for j in range(n_heads):
-                h = heads[warp * HEAD_LIST + j]
-                _head_norm_rope(out, t0, h, hd, hcs, hsn, freqs.shape[0], eps, lane, scratch)
-                if lane == 0:
-                    hn[h] = 0  # (for the next launch)
-    form = ("dp4a_head_norm" if HEAD_NORM else "dp4a") if INT8 else "xregs_norm" if NORM \
-        else "xregs"
+    form = "dp4a" if INT8 else "xregs_norm" if NORM else "xregs"
     return _named(k, f"_gemv_{ty.name}_{form}_prefetch_splitk_b{B}", **opts)
 
 
@@ -886,7 +819,6 @@ class _Kernels(NamedTuple):
     decode: dict  # B -> kernel
     batched: object
     dp4a: object  # Q8_0, B = 1: the int8 decode kernel (None for the float types)
-    dp4a_head_norm: object  # ... making its heads' norm + RoPE (q_b; None likewise)
     norm: object  # float types, B = 1: the decode kernel normalising its x (None for Q8_0)
 
 
@@ -895,9 +827,6 @@ _KERNELS = {ty.qtype: _Kernels(_naive_kernel(ty),
                                 for B in range(1, DECODE_MAX_TOKENS + 1)},
                                _batched_kernel(ty, GEMM_MICRO, GEMM_MICRO),
                                _decode_kernel(ty, 1, 2, 4, int8=True, max_registers=DP4A_REGS)
-                               if ty is _Q8_0 else None,
-                               _decode_kernel(ty, 1, 2, 4, int8=True, head_norm=True,
-                                              max_registers=DP4A_REGS)
                                if ty is _Q8_0 else None,
                                None if ty is _Q8_0 else
                                _decode_kernel(ty, 1, *_decode_shape(ty, 1), norm=True))
@@ -911,26 +840,14 @@ _STATE: dict = {}
 
 
 def _dummies():
-    """(ids int32 [1], scales float16 [1, 1, 1], norm weight float32 [1], freqs float64 [1]):
-    stand-ins for absent arguments (the ids' also for the head counters and pos), allocated
-    once so a launch allocates nothing (and can be captured in a CUDA graph)."""
+    """(ids int32 [1], scales float16 [1, 1, 1], norm weight float32 [1]): stand-ins for absent
+    arguments, allocated once so a launch allocates nothing (and can be captured in a CUDA
+    graph)."""
     if "ids" not in _STATE:
         _STATE["ids"] = cuda.to_device(np.zeros(1, np.int32))
         _STATE["scale"] = cuda.to_device(np.zeros((1, 1, 1), np.float16))
         _STATE["norm"] = cuda.to_device(np.zeros(1, np.float32))
-        _STATE["freqs"] = cuda.to_device(np.zeros(1, np.float64))
-    return _STATE["ids"], _STATE["scale"], _STATE["norm"], _STATE["freqs"]
-
-
-def _head_counters(stream, heads: int):
-    """The head-norm GEMV's counters on ``stream`` (int32 [heads]), zeroed when first made:
-    launches on one stream run in turn, and each leaves them at zero."""
-    cnt = stream_buffer("gemv head counters", stream, (heads,), np.int32)
-    made = _STATE.setdefault("head counters made", set())
-    if id(cnt) not in made:
-        cnt.copy_to_device(np.zeros(heads, np.int32), stream=stream)
-        made.add(id(cnt))
-    return cnt
+    return _STATE["ids"], _STATE["scale"], _STATE["norm"]
 
 
 def simulator_prefers_rows(on: bool = True) -> None:
@@ -973,17 +890,12 @@ def grid_waves(share: float):
 
 
 def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, split_k=None,
-            limbs=None, norm=None, head_norm=None):
+            limbs=None, norm=None):
     """Pick and launch a kernel. ``method`` ("naive" / "decode" / "dp4a" / "batched" / "mma") and
     ``split_k`` (decode: warps per row; batched: K splits) override the choice; tests use them
     to reach every path. ``limbs``: x's limbs already made (q8_0_limbs): the dp4a kernel alone.
     ``norm`` (nw [K] float32, eps): W · (rmsnorm(x) * nw), the norm made by the decode kernel
-    (takes_norm must hold). ``head_norm`` (hd, eps, pos [1] int32, freqs [P] float64): then
-    out's rows in heads of hd each RMSNormed (no weight) and RoPE'd at pos by the dp4a kernel
-    itself (one token, a warp holding whole rows: the engine asks takes_head_norm)."""
-    if head_norm is not None:
-        assert ids is None and method in (None, "dp4a"), "head_norm: the dp4a kernel, no ids"
-        method = "dp4a"
+    (takes_norm must hold)."""
     if limbs is not None:  # (with ids: row t of the limbs is token t, as x's would be)
         assert x is None and ty is _Q8_0
         method = "dp4a"
@@ -995,7 +907,7 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
     assert w.qtype == ty.qtype and K == w.cols and out.shape == (T, w.rows)
     N = w.rows
     kern = _KERNELS[ty.qtype]
-    ids_dummy, scale_dummy, norm_dummy, freqs_dummy = _dummies()
+    ids_dummy, scale_dummy, norm_dummy = _dummies()
     ws = w.planes[1] if ty.sblock else scale_dummy
     per_token = 0 if ids is None else 1
     ids_arg = ids_dummy if ids is None else ids
@@ -1031,21 +943,12 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
         k = kern.decode[B] if norm is None else kern.norm
         nw, eps = (norm_dummy, 0.0) if norm is None else norm
         args = (out, w.planes[0], ws, x, ids_arg, per_token, N, K, wk_n, span, nw,
-                np.float32(eps), ids_dummy, ids_dummy, freqs_dummy, 0)
+                np.float32(eps))
         if auto and kern.dp4a is not None and B == 1 and rows * N * K >= DP4A_MIN_ELEMENTS:
             method = "dp4a"
         if method == "dp4a":  # x -> int8 limbs once (unless made already), then the GEMV
             xl = limbs if limbs is not None else q8_0_limbs(x, stream)
             k, args = kern.dp4a, args[:3] + (xl,) + args[4:]
-            if head_norm is not None:
-                hd, heps, pos, freqs = head_norm
-                assert wk_n == 1 and hd % R == 0 and N % hd == 0 and T == 1, (wk_n, hd, N)
-                assert freqs.shape[0] <= HEAD_MAX_PAIRS and 2 * freqs.shape[0] <= hd
-                k = kern.dp4a_head_norm
-                args = args[:11] + (np.float32(heps), _head_counters(stream, N // hd), pos,
-                                    freqs, hd)
-                # (a warp ends at most a head a step, its steps this many: its list's room)
-                assert cdiv(groups, min(groups, _wave(k, args, nt, 1))) <= HEAD_LIST
         k[(min(groups, _wave(k, args, nt, rows)), rows), nt, stream](*args)
     else:
         nt = min(threads or 256, 256)  # tiles of at most _TILE_MAX rows and tokens
@@ -1061,15 +964,6 @@ def _launch(ty: _Type, out, w: QWeight, x, ids, stream, threads, method=None, sp
 
 
 NORM_LIMBS_MAX_K = 4096  # q8_0_limbs(norm=): four elements a thread, one block
-
-
-def takes_head_norm(w: QWeight, hd: int) -> bool:
-    """Whether gemv_q8_0(head_norm=(hd, ...)) serves ``w`` (one token): the dp4a kernel
-    (takes_limbs) with a warp holding whole rows (K <= 32 lanes x CPL chunks of 16) and rows
-    in whole heads of hd, each a whole number of a warp's rows a step."""
-    cpl, R = _decode_shape(_Q8_0, 1)
-    return (takes_limbs(w) and w.cols // 16 <= 32 * cpl and hd % R == 0
-            and w.rows % hd == 0)
 
 
 def takes_limbs(w: QWeight, norm: bool = False, grouped: bool = False) -> bool:
@@ -1123,9 +1017,7 @@ def gemv_bf16(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> No
 
 def gemv_q8_0(out, w: QWeight, x, ids=None, stream=0, threads=None, **how) -> None:
     """As gemv_f32, Q8_0 weights; ``limbs=`` (x None; one token, or a row per id): x's limbs
-    from q8_0_limbs (or attention_decode(limbs=)), the dp4a kernel alone; ``head_norm=(hd,
-    eps, pos, freqs)``: out's heads of hd rows then RMSNormed and RoPE'd by that kernel (see
-    _launch)."""
+    from q8_0_limbs (or attention_decode(limbs=)), the dp4a kernel alone."""
     _launch(_Q8_0, out, w, x, ids, stream, threads, **how)
 
 
@@ -1178,16 +1070,14 @@ def _signatures():
         ks = _KERNELS[ty.qtype]
         yield ks.naive, h + "int64, int64)"
         yield _ROWS[ty.qtype], h + "int64, int64)"
-        tail = ("int64, int64, int64, int64, int64, float32[::1], float32, int32[::1], "
-                "int32[::1], float64[::1], int64)")
+        tail = "int64, int64, int64, int64, int64, float32[::1], float32)"
         for kd in ks.decode.values():
             yield kd, h + tail
         if ks.norm:
             yield ks.norm, h + tail
         if ks.dp4a:  # x: the prepared limbs
-            for kd in (ks.dp4a, ks.dp4a_head_norm):
-                yield kd, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
-                    + tail
+            yield ks.dp4a, h.replace("float32[:, ::1], int32[::1]", "int32[:, ::1], int32[::1]") \
+                + tail
         yield ks.batched, h.replace("void(float32[:, ::1]", "void(float32[:, :, ::1]") + \
             "int64, int64, int64, int64, int64)"
     yield _sum_splits, "void(float32[:, ::1], float32[:, :, ::1])"

@@ -157,39 +157,6 @@ def test_the_decode_grids_in_shares_of_a_wave_give_the_same_bits(method, name):
     assert np.array_equal(outs[0.5], outs[1]) and np.array_equal(outs[2], outs[1])
 
 
-@pytest.mark.parametrize("K,hd,P", [(128, 16, 4), (512, 32, 8)])
-def test_the_dp4a_kernel_making_its_heads_norm_and_rope(K, hd, P):
-    """gemv_q8_0(head_norm=(hd, eps, pos, freqs)): the GEMV, then each head of hd rows
-    RMSNormed (no weight) and its last 2P dims RoPE'd at pos, made by the warp that writes the
-    head's last rows: against gemv_ref then rmsnorm_rope_ref (float64); the counters are back
-    at zero after the launch, so a second launch on the stream gives the same bits."""
-    from pocketfm.kernels.norm_rope import rmsnorm_rope_ref
-    from pocketfm.numerics import rope_frequencies
-
-    rng = fresh_rng()
-    heads = 5
-    N = heads * hd
-    w, x, _, _ = _case("q8_0", 1, N, K, 1, False, rng)
-    freqs = rope_frequencies(2 * P, 10000.0, 1.0, 4096)
-    pos = np.array([rng.integers(0, 300_000)], np.int32)
-    y = np.empty((1, N))
-    gemv.gemv_q8_0_ref(y, w, x.astype(np.float64))
-    ref = np.empty((1, heads, hd))
-    rmsnorm_rope_ref(ref, y.reshape(1, heads, hd), None, 1e-6, False, pos, freqs)
-    stream = cuda.stream()
-    wd, xd = w.to_device(), cuda.to_device(x)
-    hn = (hd, 1e-6, cuda.to_device(pos), cuda.to_device(freqs))
-    outs = []
-    for _ in range(2):
-        out = poisoned((1, N))
-        gemv.gemv_q8_0(out, wd, xd, stream=stream, threads=THREADS, head_norm=hn)
-        stream.synchronize()
-        outs.append(out.copy_to_host())
-        assert not gemv._head_counters(stream, heads).copy_to_host().any()
-    assert rel_err(outs[0], ref.reshape(1, N)) <= 1e-4
-    assert np.array_equal(outs[0], outs[1])
-
-
 @pytest.mark.parametrize("T,K", [(1, 4096), (2, 96), (3, 1024)])
 def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
     """_q8_0_x_limbs_words (the default) writes exactly the words of _q8_0_x_limbs (a thread a
@@ -259,11 +226,6 @@ def test_takes_limbs_only_for_the_dp4a_kernel(monkeypatch):
     assert not gemv.takes_limbs(q(big // 16, 1024, E=8), grouped=True)
     assert gemv.takes_limbs(q(big, 1024), norm=True)  # V4-Flash's q_b: K = 1024
     assert gemv.takes_limbs(q(big // 8, 8192)) and not gemv.takes_limbs(q(big // 8, 8192), True)
-    # q's norm + RoPE in the GEMV: a warp holds a whole row, whole heads of whole steps
-    assert gemv.takes_head_norm(q(big, 1024), 512)  # V4-Flash's q_b: 64 heads of 512
-    assert not gemv.takes_head_norm(q(big // 4, 4096), 512)  # K over one warp: K-slices
-    assert not gemv.takes_head_norm(q(big, 1024), 510) and not gemv.takes_head_norm(
-        q(big + 4, 1024), 512)
     monkeypatch.setitem(gemv._STATE, "sim_rows", gemv.SIMULATOR)
     assert gemv.takes_limbs(q(big, 1024)) != gemv.SIMULATOR  # the simulated engine: rows
 
