@@ -306,8 +306,7 @@ class DecodeEngine:
     @contextlib.contextmanager
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words, gemv_waves,
-        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine,
-        hadamard_warp,
+        indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
         idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
         hc_mix_prefetch,
         hc_u_gram, moe_parts,

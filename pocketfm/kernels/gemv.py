@@ -876,10 +876,9 @@ def _wave(kern, args, threads: int, rows: int) -> int:
 
 @contextlib.contextmanager
 def grid_waves(share: float):
-    """The persistent decode GEMVs launched inside get ``share`` of a wave of blocks (0.75:
+    """The persistent decode GEMVs launched inside get ``share`` of a wave of blocks (below 1:
     room for the blocks of kernels on other streams, which would otherwise hold some of a
-    full wave's blocks back until they end; 2: every block still has a second to follow): an
-    A/B (the decode engine's ``gemv_waves``)."""
+    full wave's blocks back until they end): the decode engine's ``gemv_waves`` (0.9)."""
     assert share > 0
     before = _STATE.get("waves", 1.0)
     _STATE["waves"] = float(share)

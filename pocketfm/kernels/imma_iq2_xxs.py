@@ -294,10 +294,7 @@ def _sm_tiles_body(sign_alu: bool, subs: int):
     loads table entry t once and writes its SM_REPS copies, lane l's k-th store at copy
     (l + k) mod 32 so that a warp's stores meet no bank twice (Nsight, H100, 2026-12-07 (x): a
     quarter of the samples were this set-up when every thread loaded and stored 32 words four
-    at a time, each load a constant-cache round trip, the first stage requested only after).
-    (A build picking its token's experts itself before its first stage, no routing launch
-    before it, measured slower in the step: 6.048 against 5.977 ms, H100, 30 layers,
-    BENCHMARKS 2026-12-07 (ab); removed. The body is still a device function of its own.)"""
+    at a time, each load a constant-cache round trip, the first stage requested only after)."""
     tile_stages = _group_math(SM_REPS, sign_alu)
     table_words = (256 if sign_alu else 384) * SM_REPS
     rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
@@ -306,21 +303,23 @@ def _sm_tiles_body(sign_alu: bool, subs: int):
     entries = table_words // SM_REPS
     assert SM_REPS == 32 and entries <= NT, (SM_REPS, entries, NT)
 
-    @cuda.jit(device=True, inline="always")
-    def tiles(out, qs, d, xq, xs, e, b, bx, tab, rows, red, xch):
-        # token b's rows of expert e: see _sm_tiles_body (WARPS warps a tile, blockDim = 32
-        # WARPS subs)
+    def gemv_iq2_xxs_imma_sm_tiles(out, qs, d, xq, xs, ids, nw):
+        # grid (blocks, T): see _sm_tiles_body; WARPS warps a tile (blockDim = 32 WARPS subs;
+        # the launcher passes nw = WARPS)
         t = cuda.threadIdx.x
         N = out.shape[1]
         G = qs.shape[2]
-        lane = t & 31
-        w, g, c = t >> 5, lane >> 2, lane & 3
+        w, lane, g, c, b, e, bx = tile_thread(ids, xs, G)
         nw = WARPS  # (a constant: 8 registers fewer than the argument, and no spills at 128)
         sub = w // nw
         sw = w - sub * nw  # the warp's place in its tile
         per_warp = G // STAGE // nw
         tiles_n = (N + ROWS - 1) // ROWS
         span = cuda.gridDim.x * subs  # tiles a round
+        tab = cuda.shared.array(0, uint32)
+        rows = cuda.shared.array(0, uint64)  # (the same bytes: the rows after the tables)
+        red = cuda.shared.array((SM_WARPS, ROWS), float32)
+        xch = cuda.shared.array(SM_XCH, uint64)
         lr, lc = lane >> 3, lane & 7
         pre = cuda.local.array(8, uint64)
         dpre = cuda.local.array(4, float16)
@@ -344,16 +343,6 @@ def _sm_tiles_body(sign_alu: bool, subs: int):
                                      G, xq, xs, r0, r8, pick, shift, tab, lane_at, xch)
             tile_out(out, red, acc0, acc1, b, tn * ROWS, nw, float32(0.125), sub * nw)
             tn += span
-
-    def gemv_iq2_xxs_imma_sm_tiles(out, qs, d, xq, xs, ids, nw):
-        # grid (blocks, T); the launcher passes nw = WARPS
-        _, _, _, _, b, e, bx = tile_thread(ids, xs, qs.shape[2])
-        # (a line each: the simulator tells shared arrays apart by their line)
-        tab = cuda.shared.array(0, uint32)
-        rows = cuda.shared.array(0, uint64)  # (the same bytes: the rows after the tables)
-        red = cuda.shared.array((SM_WARPS, ROWS), float32)
-        xch = cuda.shared.array(SM_XCH, uint64)
-        tiles(out, qs, d, xq, xs, e, b, bx, tab, rows, red, xch)
     return gemv_iq2_xxs_imma_sm_tiles
 
 

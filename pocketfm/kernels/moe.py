@@ -39,6 +39,8 @@ Letters: T tokens, D hidden, E experts, k experts per token, F expert width, V v
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda, float32, int32
 
@@ -51,8 +53,9 @@ from .gemv import gemv, gemv_ref
 from .gemv_lowbit import (fuses_swiglu, gemv_prepared, gemv_swiglu, prepare_x, shares_x_row,
                           swiglu_scalar, takes_prepared_x)
 from .qweight import QWeight
-from .routing import MAX_E, MAX_K, pick_experts, score, write_weights
 
+MAX_E = 512  # experts a route block can hold in shared memory (V4: 256)
+MAX_K = 16  # experts per token (V4: 6)
 
 
 # ---- NumPy references (the spec: thin wrappers over pocketfm.ops) -----------------------------
@@ -144,6 +147,13 @@ def moe_layer_ref(out, x, gate_inp, bias, tid2eid, token, use_hash, gate_exps, u
 
 
 # ---- routing kernels ----------------------------------------------------------------------
+@cuda.jit(device=True)
+def _score(x):
+    """s = sqrt(softplus(x)), softplus = log1p(exp(x)) taken as x above 20: there the two differ
+    below float32 resolution, and exp(x) would overflow from 88 on."""
+    return float32(math.sqrt(x if x > 20.0 else math.log1p(math.exp(x))))
+
+
 @device.kernel
 def _route_serial(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
                   normalise):
@@ -167,30 +177,96 @@ def _route_serial(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, route
             best = -1
             best_v = float32(0.0)
             for e in range(E):
-                v = score(logits[t, e]) + bias[e]
+                v = _score(logits[t, e]) + bias[e]
                 below = prev_e < 0 or v < prev_v or (v == prev_v and e > prev_e)
                 if below and (best < 0 or v > best_v):
                     best, best_v = e, v
             prev_v, prev_e = best_v, best
         out_ids[t, j] = best
-        tot += score(logits[t, best])
+        tot += _score(logits[t, best])
     for j in range(k):
-        wv = score(logits[t, out_ids[t, j]])
+        wv = _score(logits[t, out_ids[t, j]])
         if normalise:
             wv = wv / tot
         out_w[t, j] = wv * routed_scale
 
 
+GROUP = 32  # experts per group in the first round of _route_group_rank
+MAX_CAND = MAX_E // GROUP * MAX_K  # candidate slots after that round
+
+
 @device.kernel
 def _route_group_rank(out_ids, out_w, logits, bias, tid2eid, tokens, use_hash, routed_scale,
                       normalise):
-    """One block per token: routing.pick_experts, then routing.write_weights."""
+    """One block per token; top-k by counting ranks in the order (score desc, index asc).
+
+    An expert's rank is how many entries beat it; it is selected iff rank < k, in slot rank.
+    Counting against all E entries costs E steps per thread (V4: 256), so it runs in two rounds:
+    1. rank within its group of 32 experts; the group's top k fill candidate slots g·k + rank;
+    2. each candidate counts only the candidates that beat it (G·k steps, V4: 48).
+    Exact: whatever beats a global top-k expert is itself in the global top-k, hence in its
+    group's top k, hence a candidate; a candidate outside the top k is beaten by the k
+    selected, all candidates, so its count is >= k too.
+    """
     t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    E = logits.shape[1]
     k = out_ids.shape[1]
-    ids = cuda.shared.array(MAX_K, int32)
+    G = (E + GROUP - 1) // GROUP
     s = cuda.shared.array(MAX_E, float32)  # unbiased scores: they give the weights
-    pick_experts(ids, s, logits, bias, tid2eid, tokens, t, use_hash, k)
-    write_weights(out_ids, out_w, ids, s, t, k, routed_scale, normalise)
+    sel = cuda.shared.array(MAX_E, float32)  # biased scores: they only pick
+    cand = cuda.shared.array(MAX_CAND, int32)  # [G, k] expert ids, -1: none
+    cand_v = cuda.shared.array(MAX_CAND, float32)  # their sel values (no dependent loads)
+    ids = cuda.shared.array(MAX_K, int32)
+    for e in range(tid, E, nt):
+        v = _score(logits[t, e])
+        s[e] = v
+        sel[e] = v + bias[e]
+    if use_hash:
+        for j in range(tid, k, nt):
+            ids[j] = tid2eid[tokens[t], j]
+    cuda.syncthreads()
+    if not use_hash:
+        for e in range(tid, E, nt):  # round 1: rank within the group
+            v = sel[e]
+            lo = e - e % GROUP
+            rank = 0
+            for i in range(GROUP):  # a constant trip count: the compiler unrolls it
+                j = lo + i
+                if j < E:
+                    o = sel[j]
+                    if o > v or (o == v and j < e):
+                        rank += 1
+            if rank < k:
+                cand[lo // GROUP * k + rank] = e
+                cand_v[lo // GROUP * k + rank] = v
+        for c in range(tid, G * k, nt):  # slots a short last group leaves empty
+            if c % k >= min(GROUP, E - c // k * GROUP):
+                cand[c] = -1
+        cuda.syncthreads()
+        for c in range(tid, G * k, nt):  # round 2: rank among the candidates
+            e = cand[c]
+            if e >= 0:
+                v = cand_v[c]
+                rank = 0
+                for i in range(G * k):
+                    f = cand[i]
+                    o = cand_v[i]
+                    if f >= 0 and (o > v or (o == v and f < e)):
+                        rank += 1
+                if rank < k:
+                    ids[rank] = e
+    cuda.syncthreads()
+    for j in range(tid, k, nt):
+        tot = float32(0.0)
+        for i in range(k):  # k <= 16: each writer sums redundantly rather than wait on one
+            tot += s[ids[i]]
+        wv = s[ids[j]]
+        if normalise:
+            wv = wv / tot
+        out_ids[t, j] = ids[j]
+        out_w[t, j] = wv * routed_scale
 
 
 # (A warp a token instead of _route_group_rank's block, lane l holding experts l, l + 32, ..

@@ -130,4 +130,3 @@ def test_sm_wide_build_equals_the_default_over_rounds(build):
     imma.gemv_prepared(out, dw, imma.prepare_x(dx), di, build=build)
     assert np.array_equal(out.copy_to_host(), base.copy_to_host())
     assert rel_err(out.copy_to_host(), ref) <= 1e-3
-
