@@ -256,7 +256,9 @@ def _decode_variants() -> dict:
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block; the persistent decode GEMVs' grids at 0.9 of a wave, room
-    for the side streams' blocks) or try a candidate (those grids at 0.75 of a wave: nil; the q_a
+    for the side streams' blocks) or try a candidate (those grids at 0.75 of a wave: nil; the
+    captured step's kernels at their streams' priorities, the main stream's first; the MoE's
+    shared expert in line before the routed chain; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
@@ -288,6 +290,10 @@ def _decode_variants() -> dict:
             "x limbs a thread a chunk": dict(limbs_by_words=False),
             "the decode GEMVs' grids at a full wave (before)": dict(gemv_waves=1.0),
             "the decode GEMVs' grids at 0.75 of a wave": dict(gemv_waves=0.75),
+            "the main stream's kernels first (graph node priorities)": dict(
+                node_priorities=True),
+            "the shared expert in line before the routed chain": dict(
+                shared_expert_beside=False),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),
@@ -609,7 +615,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     launches of the kernels each pattern of ``decode_without`` names (rows of ``decode_ab``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
-    stream = cuda.stream()
+    stream = device.first_stream()  # (the engine's main stream: its blocks before the sides')
     swap = None
     if kv_swap:
         from ..kvswap.config import SwapPlanConfig, decode_region, overlap_lag

@@ -108,7 +108,7 @@ class DecodeEngine:
             raise InputError("--no-qat: the CUDA backend stores the packed FP8/FP4 caches, which "
                              "need QAT on; run --no-qat with --device cpu")
         self.cfg, self.capacity = cfg, capacity
-        self.stream = stream or cuda.stream()
+        self.stream = stream or device.first_stream()  # (the side streams' blocks after its)
         s = self.stream
         source = GGUFSource(weights, s) if isinstance(weights, Weights) else weights
         self.w = DeviceWeights(cfg, source, progress)
@@ -236,6 +236,14 @@ class DecodeEngine:
         # room for the side streams' blocks beside them: 5.967 against 5.977 / 5.979 ms at a
         # full wave, twice (0.75: 5.977; H100, 30 layers, BENCHMARKS 2026-12-07 (ab))
         self.gemv_waves = 0.9
+        # a candidate: the captured step's kernels at their streams' priorities (the main
+        # stream is device.first_stream(), the side streams the least), so that where both
+        # have blocks waiting for room on the SMs the critical path's go first
+        self.node_priorities = False
+        # the MoE's shared expert on a side stream beside the routed chain (False, a candidate:
+        # in line before it, one SwiGLU launch for both, no blocks of its beside the routed
+        # gate+up, whose SM-wide blocks each need a whole SM's registers)
+        self.shared_expert_beside = True
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -314,7 +322,7 @@ class DecodeEngine:
         attn_mma_tiles,
         attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
-        l2_prefetch_blocks, l2_prefetch_next)
+        l2_prefetch_blocks, l2_prefetch_next, node_priorities, shared_expert_beside)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -614,7 +622,8 @@ class DecodeEngine:
         own HC post's inputs (as _attention)."""
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]
         nt, sim = self.nt, self.sim
-        side = self.side if self.branches else None  # the shared expert beside the routed ones
+        side = (self.side if self.branches and self.shared_expert_beside
+                else None)  # the shared expert beside the routed ones
         pside = self._post_side()  # post + comb beside u and the MoE
         ahead = self._prefetch_into_l2(i + 1, self.l2_prefetch_next)  # (the next layer's)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
@@ -633,8 +642,8 @@ class DecodeEngine:
                   imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
-            if pside is not side:
-                pside.join(s)
+        if pside is not None and pside is not side:
+            pside.join(s)
         if ahead:
             self.side_pf.join(s)
         f = self.moe.parts if parts else self.f
@@ -710,7 +719,8 @@ class DecodeEngine:
                 self._warm = key
                 return
             self._graph = (key, device.capture_graph(
-                [lambda: self.launch_step(temperature, top_p)], self.stream, warm=False))
+                [lambda: self.launch_step(temperature, top_p)], self.stream, warm=False,
+                node_priority=self.node_priorities))
         self._graph[1]()
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
