@@ -422,6 +422,13 @@ def test_the_shared_expert_in_line_changes_the_logits_by_rounding_at_most():
         assert _rel(logits["in line"], logits["beside"]) <= bound, layers
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the routed down)")
+def test_the_q2_k_scales_ahead_change_no_logit():
+    """DecodeEngine.q2_k_scales_ahead: the routed Q2_K down's scales requested a step ahead,
+    the same sums in the same order: the same logits bit for bit, eager and replayed."""
+    _assert_setting_changes_no_logit("q2_k_scales_ahead")
+
+
 def _assert_setting_changes_no_logit(setting: str, on=True, off=False) -> None:
     """The flash 4-layer logits with DecodeEngine ``setting`` on equal those with it off, bit
     for bit, eager and replayed."""

@@ -258,7 +258,8 @@ def _decode_variants() -> dict:
     SM-wide build of 3 tiles a block; the persistent decode GEMVs' grids at 0.9 of a wave, room
     for the side streams' blocks) or try a candidate (those grids at 0.75 of a wave: nil; the
     captured step's kernels at their streams' priorities, the main stream's first; the MoE's
-    shared expert in line before the routed chain; the q_a
+    shared expert in line before the routed chain; the routed Q2_K down's scales requested a
+    step ahead; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
@@ -294,6 +295,7 @@ def _decode_variants() -> dict:
                 node_priorities=True),
             "the shared expert in line before the routed chain": dict(
                 shared_expert_beside=False),
+            "the routed Q2_K down's scales a step ahead": dict(q2_k_scales_ahead=True),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),

@@ -58,6 +58,7 @@ ramp-up, not bandwidth, set the floor.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -450,6 +451,28 @@ def _spec(name, qtype, slot_cols, elem, xcol, aux, dot, word, aux_ahead: bool,
 # registers live across the step), faster for MXFP4 (26.0 against 27.4).
 _Q2_K = _spec("q2_k", GGMLType.Q2_K, 64, _q2_k_elem, _q2_k_xcol, _q2_k_aux, _q2_k_dot,
                _q2_k_word, aux_ahead=False)
+# A candidate: Q2_K's decode kernel with its scales a step ahead after all (126 registers, no
+# spill, ptxas of CUDA 13): the routed down runs ~6 steps a warp, each waiting on its scales
+# where they are loaded just before the dot (Nsight in the step, H100, 2026-12-07 (ac))
+_gemv_q2_k_dp4a_slots_scales_ahead = _dp4a_slots_kernel(_q2_k_aux, _q2_k_dot, 64, 1, True,
+                                                        **_DECODE_JIT)
+_gemv_q2_k_dp4a_slots_scales_ahead.__name__ = "_gemv_q2_k_dp4a_slots_scales_ahead"
+_SCALES_AHEAD = []  # non-empty: Q2_K decodes through the kernel above (q2_k_scales_ahead)
+
+
+@contextlib.contextmanager
+def q2_k_scales_ahead(on: bool = True):
+    """Inside (``on``), Q2_K's decode GEMVs request each slot's scales a step ahead with its
+    quant words (the same sums, the same bits): a candidate, the decode engine's
+    ``q2_k_scales_ahead``."""
+    before = list(_SCALES_AHEAD)
+    _SCALES_AHEAD[:] = [True] if on else []
+    try:
+        yield
+    finally:
+        _SCALES_AHEAD[:] = before
+
+
 _Q4_K = _spec("q4_k", GGMLType.Q4_K, 32, _q4_k_elem, _q4_k_xcol, _q4_k_aux, _q4_k_dot,
                _q4_k_word, aux_ahead=False)
 _IQ2_XXS = _spec("iq2_xxs", GGMLType.IQ2_XXS, 64, _iq2_xxs_elem, _iq2_xxs_xcol, _iq2_xxs_aux,
@@ -528,9 +551,11 @@ def _decode(spec: _Spec, out, w: QWeight, slots, ids_arr, nt: int, stream) -> No
     T, N = out.shape
     K = 4 * slots[0].shape[1]
     args = (out, w.planes, *slots, ids_arr, 0)
-    resident = resident_blocks(spec.decode, args, nt, simulated=8)  # (simulator: a row split)
+    kern = (_gemv_q2_k_dp4a_slots_scales_ahead if _SCALES_AHEAD and spec is _Q2_K
+            else spec.decode)
+    resident = resident_blocks(kern, args, nt, simulated=8)  # (simulator: a row split)
     rows_per_block, grid = decode_config(spec, T, N, K, nt, resident)
-    spec.decode[grid, nt, stream](*args[:-1], rows_per_block)
+    kern[grid, nt, stream](*args[:-1], rows_per_block)
 
 
 def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | None = None):
@@ -651,7 +676,10 @@ PTX_SIGNATURES = [
                    "int32[:, ::1], float32[:, ::1], int32[::1], int64)"),
         (s.gemm, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int64)"),
         (s.prep, f"void({_SLOTS}, float32[:, ::1])"),
-        (s.prep_swiglu, f"void({_SLOTS}, float32[:, ::1], float32[::1], float32)"))]
+        (s.prep_swiglu, f"void({_SLOTS}, float32[:, ::1], float32[::1], float32)"))] + [
+    (_gemv_q2_k_dp4a_slots_scales_ahead, f"void(float32[:, ::1], Tuple(({_PLANE_SIGS['q2_k']})), "
+                                         "uint64[:, ::1], int32[:, ::1], float32[:, ::1], "
+                                         "int32[::1], int64)")]
 
 PACKERS = {GGMLType.Q2_K: pack_q2_k, GGMLType.Q4_K: pack_q4_k, GGMLType.IQ2_XXS: pack_iq2_xxs,
            GGMLType.MXFP4: pack_mxfp4}
