@@ -257,16 +257,17 @@ def _decode_variants() -> dict:
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block; the persistent decode GEMVs' grids at 0.9 of a wave, room
     for the side streams' blocks) or try a candidate (those grids at 0.75 of a wave: nil; the
-    captured step's kernels at their streams' priorities, the main stream's first; the MoE's
-    shared expert in line before the routed chain; the routed Q2_K down's scales requested a
-    step ahead; the q_a
+    routed Q2_K down's scales requested a step ahead; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
     gate+up's launch (6.048 against 5.977 ms), the Q8_0 dp4a GEMVs taking their row groups from
     a counter (6.840), capped at 255 registers (6.168) or built for 2 rows a step (5.981) or a
     chunk a lane (6.414), and q's norm + RoPE made by the q_b GEMV (6.092 against 5.867 on
-    another H100) were candidates too (H100, 30 layers, 2026-12-07 (ab)), dropped. The
+    another H100) were candidates too (H100, 30 layers, 2026-12-07 (ab)), dropped; so were the
+    captured step's kernels at their streams' priorities, the main stream's first (5.878 against
+    5.875 ms), and the MoE's shared expert in line before the routed chain (6.226; H100, 30
+    layers, 2026-12-07 (ac)). The
     top-k's write-out placed from counts
     left before its second grid barrier, one barrier fewer, was a candidate too: 5.942 against
     5.918 ms, H100, 30 layers, 2026-12-07 (aa), dropped. HC pre's mix and u in one launch (the last
@@ -291,10 +292,6 @@ def _decode_variants() -> dict:
             "x limbs a thread a chunk": dict(limbs_by_words=False),
             "the decode GEMVs' grids at a full wave (before)": dict(gemv_waves=1.0),
             "the decode GEMVs' grids at 0.75 of a wave": dict(gemv_waves=0.75),
-            "the main stream's kernels first (graph node priorities)": dict(
-                node_priorities=True),
-            "the shared expert in line before the routed chain": dict(
-                shared_expert_beside=False),
             "the routed Q2_K down's scales a step ahead": dict(q2_k_scales_ahead=True),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
@@ -617,7 +614,7 @@ def run_bench(cfg: ModelConfig, ctx: int, tokens: int, quant: str = "ds4-q2", se
     launches of the kernels each pattern of ``decode_without`` names (rows of ``decode_ab``)."""
     free0, total = cuda.current_context().get_memory_info()
     t0 = time.perf_counter()
-    stream = device.first_stream()  # (the engine's main stream: its blocks before the sides')
+    stream = cuda.stream()
     swap = None
     if kv_swap:
         from ..kvswap.config import SwapPlanConfig, decode_region, overlap_lag

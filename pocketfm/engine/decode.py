@@ -109,7 +109,7 @@ class DecodeEngine:
             raise InputError("--no-qat: the CUDA backend stores the packed FP8/FP4 caches, which "
                              "need QAT on; run --no-qat with --device cpu")
         self.cfg, self.capacity = cfg, capacity
-        self.stream = stream or device.first_stream()  # (the side streams' blocks after its)
+        self.stream = stream or cuda.stream()
         s = self.stream
         source = GGUFSource(weights, s) if isinstance(weights, Weights) else weights
         self.w = DeviceWeights(cfg, source, progress)
@@ -237,14 +237,6 @@ class DecodeEngine:
         # room for the side streams' blocks beside them: 5.967 against 5.977 / 5.979 ms at a
         # full wave, twice (0.75: 5.977; H100, 30 layers, BENCHMARKS 2026-12-07 (ab))
         self.gemv_waves = 0.9
-        # a candidate: the captured step's kernels at their streams' priorities (the main
-        # stream is device.first_stream(), the side streams the least), so that where both
-        # have blocks waiting for room on the SMs the critical path's go first
-        self.node_priorities = False
-        # the MoE's shared expert on a side stream beside the routed chain (False, a candidate:
-        # in line before it, one SwiGLU launch for both, no blocks of its beside the routed
-        # gate+up, whose SM-wide blocks each need a whole SM's registers)
-        self.shared_expert_beside = True
         # a candidate: the routed Q2_K down's scales requested a step ahead with its quant
         # words (gemv_lowbit.q2_k_scales_ahead) instead of just before each dot
         self.q2_k_scales_ahead = False
@@ -326,8 +318,7 @@ class DecodeEngine:
         attn_mma_tiles,
         attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
-        l2_prefetch_blocks, l2_prefetch_next, node_priorities, shared_expert_beside,
-        q2_k_scales_ahead)
+        l2_prefetch_blocks, l2_prefetch_next, q2_k_scales_ahead)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -627,8 +618,9 @@ class DecodeEngine:
         own HC post's inputs (as _attention)."""
         cfg, s, L = self.cfg, self.stream, self.w.layers[i]
         nt, sim = self.nt, self.sim
-        side = (self.side if self.branches and self.shared_expert_beside
-                else None)  # the shared expert beside the routed ones
+        # the shared expert beside the routed ones (in line before them, one SwiGLU launch for
+        # both: 6.226 against 5.875 ms a step, H100, 30 layers, BENCHMARKS 2026-12-07 (ac))
+        side = self.side if self.branches else None
         pside = self._post_side()  # post + comb beside u and the MoE
         ahead = self._prefetch_into_l2(i + 1, self.l2_prefetch_next)  # (the next layer's)
         hc_pre(self.u_in, self.post, self.comb, X, *L.hc_ffn, cfg.rms_eps, cfg.hc_eps,
@@ -648,8 +640,8 @@ class DecodeEngine:
                       imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
-        if pside is not None and pside is not side:
-            pside.join(s)
+            if pside is not side:
+                pside.join(s)
         if ahead:
             self.side_pf.join(s)
         f = self.moe.parts if parts else self.f
@@ -725,8 +717,7 @@ class DecodeEngine:
                 self._warm = key
                 return
             self._graph = (key, device.capture_graph(
-                [lambda: self.launch_step(temperature, top_p)], self.stream, warm=False,
-                node_priority=self.node_priorities))
+                [lambda: self.launch_step(temperature, top_p)], self.stream, warm=False))
         self._graph[1]()
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,

@@ -303,44 +303,6 @@ def gpu_available() -> bool:
     return not SIMULATOR and cuda.is_available()
 
 
-_FIRST_STREAMS: list = []  # driver streams made by first_stream: they live as long as the process
-
-
-def first_stream():
-    """A new stream at the device's greatest priority (the simulator: a plain stream). Streams
-    made by ``cuda.stream()`` have the least, so where both have blocks waiting for room on
-    the SMs, this one's go first. A captured graph keeps each kernel's stream priority on its
-    node, and honours it when instantiated with ``node_priority`` (capture_graph): the decode
-    engine's main stream, which carries the step's critical path, and its side streams."""
-    if SIMULATOR:
-        return cuda.stream()
-    from cuda.bindings import driver as drv
-
-    cuda.current_context()  # (numba makes the context current)
-    err, _least, greatest = drv.cuCtxGetStreamPriorityRange()
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuCtxGetStreamPriorityRange failed: {err}")
-    err, handle = drv.cuStreamCreateWithPriority(0, greatest)
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamCreateWithPriority failed: {err}")
-    _FIRST_STREAMS.append(handle)
-    return cuda.external_stream(int(handle))
-
-
-def stream_priority(stream) -> int | None:
-    """The priority ``stream`` was created with (lower numbers go first), None in the
-    simulator."""
-    if SIMULATOR:
-        return None
-    from cuda.bindings import driver as drv
-
-    h = stream.handle
-    err, prio = drv.cuStreamGetPriority(drv.CUstream(h.value if hasattr(h, "value") else int(h)))
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamGetPriority failed: {err}")
-    return int(prio)
-
-
 class SideStream:
     """A second stream for work that is independent of the main stream's, inside one step.
 
@@ -396,16 +358,14 @@ def stream_buffer(name: str, stream, shape: tuple, dtype):
     return _STREAM_BUFFERS[key][1]
 
 
-def capture_graph(launches, stream, warm: bool = True, node_priority: bool = False):
+def capture_graph(launches, stream, warm: bool = True):
     """Capture ``launches`` (zero-argument callables launching on ``stream``) as one CUDA graph;
     returns a zero-argument ``replay`` (gpu_notes §7: ~1.2 µs per kernel on replay instead of
     20-120 µs per Python launch).
 
     With ``warm`` each launch runs once first so that compilation, module load and any lazy
     allocation happen outside the capture (``warm=False`` when running them would change state
-    the caller keeps: the caller has run them already). ``node_priority``: each kernel node
-    runs at the priority of the stream it was captured from (first_stream) instead of all at
-    the priority of the stream the graph is launched into. The graph holds raw device pointers,
+    the caller keeps: the caller has run them already). The graph holds raw device pointers,
     so ``replay`` keeps the launch callables — and through them every array they use — alive
     for as long as it lives.
     """
@@ -428,9 +388,7 @@ def capture_graph(launches, stream, warm: bool = True, node_priority: bool = Fal
             launch()
     finally:
         graph = ok(drv.cuStreamEndCapture(cs))
-    flags = (drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
-             if node_priority else 0)
-    exe = ok(drv.cuGraphInstantiate(graph, int(flags)))
+    exe = ok(drv.cuGraphInstantiate(graph, 0))
 
     def replay():
         ok(drv.cuGraphLaunch(exe, cs))
