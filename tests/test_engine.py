@@ -402,13 +402,6 @@ def test_the_decode_gemvs_grids_at_a_share_of_a_wave_change_no_logit():
         _assert_setting_changes_no_logit("gemv_waves", on=share, off=1.0)
 
 
-@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the routed down)")
-def test_the_q2_k_scales_ahead_change_no_logit():
-    """DecodeEngine.q2_k_scales_ahead: the routed Q2_K down's scales requested a step ahead,
-    the same sums in the same order: the same logits bit for bit, eager and replayed."""
-    _assert_setting_changes_no_logit("q2_k_scales_ahead")
-
-
 def _assert_setting_changes_no_logit(setting: str, on=True, off=False) -> None:
     """The flash 4-layer logits with DecodeEngine ``setting`` on equal those with it off, bit
     for bit, eager and replayed."""

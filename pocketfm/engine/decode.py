@@ -42,7 +42,6 @@ from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
 from ..kernels.gemv import (XLW, gemv, gemv_q8_0, grid_waves, limbs_kernel, q8_0_limbs,
                             simulator_prefers_rows, takes_limbs, takes_norm)
-from ..kernels.gemv_lowbit import q2_k_scales_ahead
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
 from ..kernels.indexer_query import fits as fits_indexer_query, indexer_query
@@ -237,9 +236,6 @@ class DecodeEngine:
         # room for the side streams' blocks beside them: 5.967 against 5.977 / 5.979 ms at a
         # full wave, twice (0.75: 5.977; H100, 30 layers, BENCHMARKS 2026-12-07 (ab))
         self.gemv_waves = 0.9
-        # a candidate: the routed Q2_K down's scales requested a step ahead with its quant
-        # words (gemv_lowbit.q2_k_scales_ahead) instead of just before each dot
-        self.q2_k_scales_ahead = False
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -318,7 +314,7 @@ class DecodeEngine:
         attn_mma_tiles,
         attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
-        l2_prefetch_blocks, l2_prefetch_next, q2_k_scales_ahead)
+        l2_prefetch_blocks, l2_prefetch_next)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -631,13 +627,12 @@ class DecodeEngine:
                  and self.moe.k + 1 <= MAX_PARTS
                  and gram_path(X, pside, self.u_norm, self.hc_u_gram, **sim))
         out = None if parts else self.f
-        with q2_k_scales_ahead(self.q2_k_scales_ahead):
-            moe_layer(out, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
-                      int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up,
-                      None, L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
-                      cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
-                      side=side, side_x=self.side_q if self.branches else None,
-                      imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
+        moe_layer(out, self.u_norm, L.router, L.bias, L.tid2eid, self.token,
+                  int(cfg.is_hash_layer(i)), L.gate_up, None, L.down, L.shared_gate_up, None,
+                  L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
+                  cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
+                  side=side, side_x=self.side_q if self.branches else None,
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
             if pside is not side:

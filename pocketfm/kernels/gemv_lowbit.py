@@ -58,7 +58,6 @@ ramp-up, not bandwidth, set the floor.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -448,31 +447,12 @@ def _spec(name, qtype, slot_cols, elem, xcol, aux, dot, word, aux_ahead: bool,
 # aux_ahead: the slot's scales requested a step ahead with its quant words, or just before its
 # dot. Measured on the H200 (6 of 256 experts, graphs of 16; BENCHMARKS 2026-12-02 (e)): ahead
 # is slower for Q2_K / Q4_K / IQ2_XXS (15.2 / 21.8 / 18.7 µs against 16.8 / 24.1 / 20.5: more
-# registers live across the step), faster for MXFP4 (26.0 against 27.4).
+# registers live across the step), faster for MXFP4 (26.0 against 27.4). Q2_K's a step ahead
+# again in the decode step (its build at 126 registers, no spill: ptxas of CUDA 13): 7.919
+# against 7.839 ms, H200, 43 layers, BENCHMARKS 2026-12-07 (ac), though Nsight puts 15% of the
+# routed down's stall samples on the scale loaded just before the dot.
 _Q2_K = _spec("q2_k", GGMLType.Q2_K, 64, _q2_k_elem, _q2_k_xcol, _q2_k_aux, _q2_k_dot,
                _q2_k_word, aux_ahead=False)
-# A candidate: Q2_K's decode kernel with its scales a step ahead after all (126 registers, no
-# spill, ptxas of CUDA 13): the routed down runs ~6 steps a warp, each waiting on its scales
-# where they are loaded just before the dot (Nsight in the step, H100, 2026-12-07 (ac))
-_gemv_q2_k_dp4a_slots_scales_ahead = _dp4a_slots_kernel(_q2_k_aux, _q2_k_dot, 64, 1, True,
-                                                        **_DECODE_JIT)
-_gemv_q2_k_dp4a_slots_scales_ahead.__name__ = "_gemv_q2_k_dp4a_slots_scales_ahead"
-_SCALES_AHEAD = []  # non-empty: Q2_K decodes through the kernel above (q2_k_scales_ahead)
-
-
-@contextlib.contextmanager
-def q2_k_scales_ahead(on: bool = True):
-    """Inside (``on``), Q2_K's decode GEMVs request each slot's scales a step ahead with its
-    quant words (the same sums, the same bits): a candidate, the decode engine's
-    ``q2_k_scales_ahead``."""
-    before = list(_SCALES_AHEAD)
-    _SCALES_AHEAD[:] = [True] if on else []
-    try:
-        yield
-    finally:
-        _SCALES_AHEAD[:] = before
-
-
 _Q4_K = _spec("q4_k", GGMLType.Q4_K, 32, _q4_k_elem, _q4_k_xcol, _q4_k_aux, _q4_k_dot,
                _q4_k_word, aux_ahead=False)
 _IQ2_XXS = _spec("iq2_xxs", GGMLType.IQ2_XXS, 64, _iq2_xxs_elem, _iq2_xxs_xcol, _iq2_xxs_aux,
@@ -551,11 +531,9 @@ def _decode(spec: _Spec, out, w: QWeight, slots, ids_arr, nt: int, stream) -> No
     T, N = out.shape
     K = 4 * slots[0].shape[1]
     args = (out, w.planes, *slots, ids_arr, 0)
-    kern = (_gemv_q2_k_dp4a_slots_scales_ahead if _SCALES_AHEAD and spec is _Q2_K
-            else spec.decode)
-    resident = resident_blocks(kern, args, nt, simulated=8)  # (simulator: a row split)
+    resident = resident_blocks(spec.decode, args, nt, simulated=8)  # (simulator: a row split)
     rows_per_block, grid = decode_config(spec, T, N, K, nt, resident)
-    kern[grid, nt, stream](*args[:-1], rows_per_block)
+    spec.decode[grid, nt, stream](*args[:-1], rows_per_block)
 
 
 def _launch(spec: _Spec, out, w: QWeight, x, ids, stream, threads, how: str | None = None):
@@ -676,10 +654,7 @@ PTX_SIGNATURES = [
                    "int32[:, ::1], float32[:, ::1], int32[::1], int64)"),
         (s.gemm, f"void({_OUT_X.format(_PLANE_SIGS[s.name])}, int64)"),
         (s.prep, f"void({_SLOTS}, float32[:, ::1])"),
-        (s.prep_swiglu, f"void({_SLOTS}, float32[:, ::1], float32[::1], float32)"))] + [
-    (_gemv_q2_k_dp4a_slots_scales_ahead, f"void(float32[:, ::1], Tuple(({_PLANE_SIGS['q2_k']})), "
-                                         "uint64[:, ::1], int32[:, ::1], float32[:, ::1], "
-                                         "int32[::1], int64)")]
+        (s.prep_swiglu, f"void({_SLOTS}, float32[:, ::1], float32[::1], float32)"))]
 
 PACKERS = {GGMLType.Q2_K: pack_q2_k, GGMLType.Q4_K: pack_q4_k, GGMLType.IQ2_XXS: pack_iq2_xxs,
            GGMLType.MXFP4: pack_mxfp4}

@@ -99,22 +99,6 @@ def test_dp4a_slots(name):
         assert np.all(np.abs(got - ref) <= err + 1e-6 * np.abs(ref) + 1e-7), (N, K, T)
 
 
-def test_q2_k_scales_ahead_gives_the_same_bits():
-    """gemv_lowbit.q2_k_scales_ahead: Q2_K's decode kernel with each slot's scales requested a
-    step ahead (its own build) sums the same products in the same order: the same bits as
-    the scales loaded before the dot, over several steps a block (rows > a step's)."""
-    qtype = GGMLType.Q2_K
-    spec = gl.SPECS[qtype]
-    for N, K, T, with_ids in ((70, 512, 3, True), (9, 256, 1, False)):
-        w, x, ids, ref = _case(qtype, 3, N, K, T, with_ids)
-        before, ahead = poisoned((T, N)), poisoned((T, N))
-        gl._launch(spec, before, w, x, ids, 0, THREADS, "decode")
-        with gl.q2_k_scales_ahead():
-            gl._launch(spec, ahead, w, x, ids, 0, THREADS, "decode")
-        assert np.array_equal(ahead.copy_to_host(), before.copy_to_host()), (N, K)
-        assert rel_err(ahead.copy_to_host(), ref) <= 1e-3
-
-
 @pytest.mark.parametrize("name", TYPES)
 def test_shared_x_row_equals_its_copies(name):
     """With ids, x [1, K] serves every id (the MoE's routed gate/up at decode, no broadcast
