@@ -40,7 +40,8 @@ from ..kernels import device
 from ..kernels.attention import MMA_TILES, attention_decode
 from ..kernels.compressor import MODE_INDEX_FP4, MODE_KV_FP8, compressor_step
 from ..kernels.embed_sample import argmax, embed, sample_top_p
-from ..kernels.gemv import (XLW, gemv, gemv_q8_0, grid_waves, limbs_kernel, q8_0_limbs,
+from ..kernels.gemv import (XLW, gemv, gemv_q8_0, grid_waves, grid_waves_or_not,
+                            limbs_kernel, q8_0_limbs,
                             simulator_prefers_rows, takes_limbs, takes_norm)
 from ..kernels.hc import MAX_PARTS, gram_path, hc_head, hc_post, hc_pre
 from ..kernels.indexer import default_topk_workspace, indexer_scores, topk
@@ -236,6 +237,12 @@ class DecodeEngine:
         # room for the side streams' blocks beside them: 5.967 against 5.977 / 5.979 ms at a
         # full wave, twice (0.75: 5.977; H100, 30 layers, BENCHMARKS 2026-12-07 (ab))
         self.gemv_waves = 0.9
+        # candidates: the side streams' small GEMVs (the kv entry's, the compressors', the
+        # indexer keys' and weights') and the MoE's shared expert (beside the routed chain) at
+        # a smaller share of a wave than the main stream's, leaving it more of the SMs (None:
+        # gemv_waves)
+        self.side_gemv_waves = None
+        self.shared_expert_waves = None
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -314,7 +321,7 @@ class DecodeEngine:
         attn_mma_tiles,
         attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
-        l2_prefetch_blocks, l2_prefetch_next)
+        l2_prefetch_blocks, l2_prefetch_next, side_gemv_waves, shared_expert_waves)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -435,7 +442,8 @@ class DecodeEngine:
             self._indexer_keys(i, L, c, self.side_idx.fork(s) if self.branches else s)
         # the kv entry and the compressor on the side stream, beside the query and the indexer
         s2 = self.side.fork(s) if self.branches else s
-        gemv(self.kv, L.kv, u, None, s2, threads=nt)
+        with self._side_waves():
+            gemv(self.kv, L.kv, u, None, s2, threads=nt)
         kv3 = self.kv.reshape(1, 1, K)
         rmsnorm_rope(kv3, kv3, L.kv_norm, eps, True, self.pos, L.freqs, s2, threads=nt, **sim)
         kv_pack(self.kv_row, self.kv, R, stream=s2, threads=nt, **sim)  # FP8 + the 584 B entry
@@ -444,8 +452,9 @@ class DecodeEngine:
         if c.ratio:
             s2 = self.side_comp.fork(s) if comp_own else s2
             a, g = self.comp_in[c.state_kv.shape[1]]
-            gemv(a, L.comp_kv, u, None, s2, threads=nt)
-            gemv(g, L.comp_gate, u, None, s2, threads=nt)
+            with self._side_waves():
+                gemv(a, L.comp_kv, u, None, s2, threads=nt)
+                gemv(g, L.comp_gate, u, None, s2, threads=nt)
             out, rowmap = c.comp, None
             if self.swap is not None and cfg.is_csa(i):  # the pool, or this chunk's slot
                 out, rowmap = self.swap.compressor_target(i)
@@ -524,6 +533,11 @@ class DecodeEngine:
             self.side_pf.join(s)
         return self.f, X, self.post, self.comb  # made by the FFN's HC pre
 
+    def _side_waves(self):
+        """The side streams' small GEMVs' share of a wave (side_gemv_waves), where they run on
+        side streams."""
+        return grid_waves_or_not(self.side_gemv_waves if self.branches else None)
+
     def _prefetch_into_l2(self, i: int, names) -> bool:
         """Fork ``side_pf`` off the main stream and request the lines of layer i's weights of
         these names into L2 on it (l2_prefetch.py; a name that is no weight field raises
@@ -546,8 +560,9 @@ class DecodeEngine:
         cfg, u, nt = self.cfg, self.u_norm, self.nt
         DI = cfg.index_dim
         ia, ig = self.idx_in
-        gemv(ia, L.idx_kv, u, None, s, threads=nt)
-        gemv(ig, L.idx_gate, u, None, s, threads=nt)
+        with self._side_waves():
+            gemv(ia, L.idx_kv, u, None, s, threads=nt)
+            gemv(ig, L.idx_gate, u, None, s, threads=nt)
         swapped = self.swap is not None and i in self.swap.krank
         keys, rowmap = (self.swap.key_compressor_target(i) if swapped
                         else (c.index_keys, None))  # (swapped: the pool, or the chunk's slot)
@@ -556,7 +571,8 @@ class DecodeEngine:
                         MODE_INDEX_FP4, None, keys, stream=s, threads=nt, rowmap=rowmap)
         if self.branches and self._q_a_norm_in_readers(i, L):  # (a branch of their own)
             s = self.side_w.fork(self.stream)
-        gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
+        with self._side_waves():
+            gemv(self.idx_w, L.idx_proj, u, None, s, threads=nt)
         sk.scale(self.idx_w, index_weight_scale(cfg), s)
 
     def _q_a_norm_in_readers(self, i: int, L) -> bool:
@@ -632,7 +648,8 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down,
+                  shared_waves=self.shared_expert_waves)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
             if pside is not side:

@@ -874,6 +874,11 @@ def _wave(kern, args, threads: int, rows: int) -> int:
     return max(1, int(wave * _STATE.get("waves", 1.0)) // rows)
 
 
+def grid_waves_or_not(share: float | None):
+    """grid_waves(share), or (None) the share in force left as it is."""
+    return contextlib.nullcontext() if share is None else grid_waves(share)
+
+
 @contextlib.contextmanager
 def grid_waves(share: float):
     """The persistent decode GEMVs launched inside get ``share`` of a wave of blocks (below 1:
