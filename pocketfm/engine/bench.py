@@ -256,9 +256,9 @@ def _decode_variants() -> dict:
     layer's q_a beside the MoE; the attention's combine with its splits over 4 thread groups; the
     indexer query in one launch, which also makes the scorer's q fragments; the routed gate+up's
     SM-wide build of 3 tiles a block; the persistent decode GEMVs' grids at 0.9 of a wave, room
-    for the side streams' blocks) or try a candidate (those grids at 0.75 of a wave: nil; the
-    side streams' small GEMVs, the kv entry's, the compressors' and the indexer's, at 0.25 of a
-    wave, the shared expert's at 0.5, leaving the main stream more of the SMs; the q_a
+    for the side streams' blocks; the side streams' small GEMVs, the kv entry's, the compressors'
+    and the indexer's, at a quarter of a wave, leaving the main stream more of the SMs) or try a
+    candidate (those grids at 0.75 of a wave: nil; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
@@ -268,8 +268,9 @@ def _decode_variants() -> dict:
     another H100) were candidates too (H100, 30 layers, 2026-12-07 (ab)), dropped; so were the
     captured step's kernels at their streams' priorities, the main stream's first (5.878 against
     5.875 ms), and the MoE's shared expert in line before the routed chain (6.226; H100, 30
-    layers), and the routed Q2_K down's scales a step ahead (7.919 against 7.839 ms, H200, 43
-    layers; 2026-12-07 (ac)). The
+    layers), the routed Q2_K down's scales a step ahead (7.919 against 7.839 ms, H200, 43
+    layers) and the MoE's shared expert's GEMVs at half a wave (5.864 against 5.863 ms, H100;
+    2026-12-07 (ac)). The
     top-k's write-out placed from counts
     left before its second grid barrier, one barrier fewer, was a candidate too: 5.942 against
     5.918 ms, H100, 30 layers, 2026-12-07 (aa), dropped. HC pre's mix and u in one launch (the last
@@ -294,10 +295,8 @@ def _decode_variants() -> dict:
             "x limbs a thread a chunk": dict(limbs_by_words=False),
             "the decode GEMVs' grids at a full wave (before)": dict(gemv_waves=1.0),
             "the decode GEMVs' grids at 0.75 of a wave": dict(gemv_waves=0.75),
-            "the side streams' small GEMVs at 0.25 of a wave": dict(side_gemv_waves=0.25),
-            "the shared expert's GEMVs at 0.5 of a wave": dict(shared_expert_waves=0.5),
-            "the side streams' small GEMVs at 0.25, the shared expert's at 0.5": dict(
-                side_gemv_waves=0.25, shared_expert_waves=0.5),
+            "the side streams' small GEMVs at the main stream's share (before)": dict(
+                side_gemv_waves=None),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),

@@ -237,12 +237,12 @@ class DecodeEngine:
         # room for the side streams' blocks beside them: 5.967 against 5.977 / 5.979 ms at a
         # full wave, twice (0.75: 5.977; H100, 30 layers, BENCHMARKS 2026-12-07 (ab))
         self.gemv_waves = 0.9
-        # candidates: the side streams' small GEMVs (the kv entry's, the compressors', the
-        # indexer keys' and weights') and the MoE's shared expert (beside the routed chain) at
-        # a smaller share of a wave than the main stream's, leaving it more of the SMs (None:
-        # gemv_waves)
-        self.side_gemv_waves = None
-        self.shared_expert_waves = None
+        # the side streams' small GEMVs (the kv entry's, the compressors', the indexer keys' and
+        # weights') at a quarter of a wave, leaving the main stream's kernels more of the SMs:
+        # 5.839 against 5.863 ms a step (H100, 30 layers, one process, BENCHMARKS 2026-12-07
+        # (ac); None: gemv_waves, as before). The MoE's shared expert's GEMVs at half a wave
+        # beside the routed chain measured nil (5.864) and stay at gemv_waves.
+        self.side_gemv_waves = 0.25
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -321,7 +321,7 @@ class DecodeEngine:
         attn_mma_tiles,
         attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
-        l2_prefetch_blocks, l2_prefetch_next, side_gemv_waves, shared_expert_waves)
+        l2_prefetch_blocks, l2_prefetch_next, side_gemv_waves)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -648,8 +648,7 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down,
-                  shared_waves=self.shared_expert_waves)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
             if pside is not side:

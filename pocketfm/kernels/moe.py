@@ -49,7 +49,7 @@ from ..quants import GGMLType, random_blocks, type_name
 from . import device, imma_iq2_xxs, imma_q2_k
 from .bench import BenchCase
 from .device import capture_graph, cdiv
-from .gemv import gemv, gemv_ref, grid_waves_or_not
+from .gemv import gemv, gemv_ref
 from .gemv_lowbit import (fuses_swiglu, gemv_prepared, gemv_swiglu, prepare_x, shares_x_row,
                           swiglu_scalar, takes_prepared_x)
 from .qweight import QWeight
@@ -468,7 +468,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
               threads=None, side=None, side_x=None, imma_gate_up=False,
-              imma_down: bool = False, shared_waves: float | None = None) -> None:
+              imma_down: bool = False) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -482,9 +482,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     or a name of imma_iq2_xxs.CANDIDATES): the fused routed gate/up on imma_iq2_xxs.py's int8
     kernel where it takes the weight (IQ2_XXS), instead of the dp4a one (its x preparation on
     ``side_x`` alike); ``imma_down``: the routed down on imma_q2_k's kernel where it takes the
-    weight (Q2_K, gate and up fused). ``shared_waves`` (with ``side``): the shared expert's
-    GEMVs' grids at that share of a wave (gemv.grid_waves; None: the share in force). Launches
-    only, into ``scratch``: graph-capturable.
+    weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable.
     Which launches depends on the weight types (module docstring); the fusions change no bit
     of the result. ``out`` None (with a shared expert): no combine launch; the output is left
     in parts, ``scratch.parts`` [1, k + 1, D], for a reader that adds them in combine's order
@@ -501,15 +499,13 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     one_swiglu = has_shared and clamp == clamp_shared and side is None
     if has_shared:
         ss = stream if side is None else side.fork(stream)
-        with grid_waves_or_not(None if side is None else shared_waves):
-            if fused:
-                gemv(S["gate_up"], shared_gate, x, None, ss, threads)
-            else:
-                gemv(S["gate"], shared_gate, x, None, ss, threads)
-                gemv(S["up"], shared_up, x, None, ss, threads)
-            if not one_swiglu:
-                _swiglu_down(S, shared_down, g, u, col, sc.w_one, clamp_shared, None, ss,
-                             threads)
+        if fused:
+            gemv(S["gate_up"], shared_gate, x, None, ss, threads)
+        else:
+            gemv(S["gate"], shared_gate, x, None, ss, threads)
+            gemv(S["up"], shared_up, x, None, ss, threads)
+        if not one_swiglu:
+            _swiglu_down(S, shared_down, g, u, col, sc.w_one, clamp_shared, None, ss, threads)
     # the routed gate/up's kernel and x preparation: imma's tensor cores or the dp4a GEMV
     on_imma = bool(imma_gate_up) and fused and imma_iq2_xxs.takes_imma(gate_exps)
     build = None if imma_gate_up is True else imma_gate_up  # (a name: one of its candidates)

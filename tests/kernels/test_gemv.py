@@ -157,6 +157,17 @@ def test_the_decode_grids_in_shares_of_a_wave_give_the_same_bits(method, name):
     assert np.array_equal(outs[0.5], outs[1]) and np.array_equal(outs[2], outs[1])
 
 
+def test_grid_waves_or_not_keeps_the_share_in_force_for_none():
+    """grid_waves_or_not (the decode engine's side streams' share): None leaves the share in
+    force, a number sets it inside, and both restore it after."""
+    with gemv.grid_waves(0.5):
+        with gemv.grid_waves_or_not(None):
+            assert gemv._STATE["waves"] == 0.5
+        with gemv.grid_waves_or_not(0.25):
+            assert gemv._STATE["waves"] == 0.25
+        assert gemv._STATE["waves"] == 0.5
+
+
 @pytest.mark.parametrize("T,K", [(1, 4096), (2, 96), (3, 1024)])
 def test_limbs_four_threads_a_chunk_are_the_serial_kernels_words(T, K):
     """_q8_0_x_limbs_words (the default) writes exactly the words of _q8_0_x_limbs (a thread a

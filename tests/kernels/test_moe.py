@@ -237,8 +237,7 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
         moe.moe_layer(out, d_x, bias=d_bias, tid2eid=d_tid2eid, token=d_token, scratch=scratch,
                       threads=THREADS, side=side, side_x=side_x,
                       imma_gate_up=step.get("imma", False),
-                      imma_down=step.get("imma_down", False),
-                      shared_waves=step.get("shared_waves"), **d, **layer)
+                      imma_down=step.get("imma_down", False), **d, **layer)
         cuda.synchronize()
         ref = np.empty((1, D))
         moe.moe_layer_ref(ref, x.astype(np.float64), bias=bias.astype(np.float64),
@@ -258,16 +257,13 @@ def _check_moe_layer(rng, host, D, F, E, k, steps, tol=1e-4):
 def test_moe_layer_matches_ref_q8_0():
     """ds4's types for the small matrices: F16 router, Q8_0 experts. Clamp 1 bites (the
     projections have std ~2.4); equal clamps take the single SwiGLU launch over k + 1 rows, and
-    with a side stream the shared expert's own chain (concurrent on a GPU), also with its
-    GEMVs' grids at a quarter of a wave; without ``out`` the output left in parts (no combine
-    launch), summed here."""
+    with a side stream the shared expert's own chain (concurrent on a GPU); without ``out``
+    the output left in parts (no combine launch), summed here."""
     rng = fresh_rng()
     D, F, E, k = 64, 32, 8, 2
     _check_moe_layer(rng, _weights(rng, D, F, E), D, F, E, k,
                      [dict(clamp=1.0, clamp_shared=1.0),
                       dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True),
-                      dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True,
-                           shared_waves=0.25),
                       dict(clamp=1.0, clamp_shared=1.0, fused=True, side=True, parts=True)])
 
 
