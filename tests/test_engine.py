@@ -405,9 +405,11 @@ def test_the_decode_gemvs_grids_at_a_share_of_a_wave_change_no_logit():
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the side streams' GEMVs)")
 def test_the_side_streams_gemvs_at_a_share_of_a_wave_change_no_logit():
     """DecodeEngine.side_gemv_waves: the side streams' small GEMVs at a quarter of a wave (the
-    default) against the main stream's share, each output row still one warp's sums: the same
+    default) against the main stream's share, and side_q_b_waves (the CSA layers' q_b beside
+    the indexer at a quarter, a candidate), each output row still one warp's sums: the same
     logits bit for bit, eager and replayed."""
     _assert_setting_changes_no_logit("side_gemv_waves", on=0.25, off=None)
+    _assert_setting_changes_no_logit("side_q_b_waves", on=0.25, off=None)
 
 
 def _assert_setting_changes_no_logit(setting: str, on=True, off=False) -> None:

@@ -258,7 +258,8 @@ def _decode_variants() -> dict:
     SM-wide build of 3 tiles a block; the persistent decode GEMVs' grids at 0.9 of a wave, room
     for the side streams' blocks; the side streams' small GEMVs, the kv entry's, the compressors'
     and the indexer's, at a quarter of a wave, leaving the main stream more of the SMs) or try a
-    candidate (those grids at 0.75 of a wave: nil; the q_a
+    candidate (those grids at 0.75 of a wave: nil; the side streams' small GEMVs at 0.125 or
+    0.5 of a wave; the CSA layers' q_b, beside the indexer's longer path, at 0.5 or 0.25; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
@@ -297,6 +298,11 @@ def _decode_variants() -> dict:
             "the decode GEMVs' grids at 0.75 of a wave": dict(gemv_waves=0.75),
             "the side streams' small GEMVs at the main stream's share (before)": dict(
                 side_gemv_waves=None),
+            "the side streams' small GEMVs at 0.125 of a wave": dict(side_gemv_waves=0.125),
+            "the side streams' small GEMVs at 0.5 of a wave": dict(side_gemv_waves=0.5),
+            "the CSA layers' q_b beside the indexer at 0.5 of a wave": dict(side_q_b_waves=0.5),
+            "the CSA layers' q_b beside the indexer at 0.25 of a wave": dict(
+                side_q_b_waves=0.25),
             "indexer scores a warp per 16 heads (top-k counting its first digit)": dict(
                 indexer_one_warp=False),
             "the top-k counting its first digit": dict(scorer_counts_first_digit=False),

@@ -243,6 +243,10 @@ class DecodeEngine:
         # (ac); None: gemv_waves, as before). The MoE's shared expert's GEMVs at half a wave
         # beside the routed chain measured nil (5.864) and stay at gemv_waves.
         self.side_gemv_waves = 0.25
+        # a candidate: the CSA layers' q_b (35.7 MB, on its branch beside the indexer's query,
+        # scores and top-k, the longer path to the attention) at a smaller share of a wave,
+        # leaving the indexer's kernels more of the SMs (None: gemv_waves)
+        self.side_q_b_waves = None
         # the indexer's scores by one warp holding every head (indexer_warp.indexer_scores_warp)
         # instead of a warp per 16 heads, which also counts the top-k's first radix digit (not
         # with the Memory Indexer's mask between the two): 7.678 against 7.814 / 7.707 ms
@@ -321,7 +325,7 @@ class DecodeEngine:
         attn_mma_tiles,
         attn_combine_groups,
         post_own_stream, compressor_own_stream, q_a_norm_in_readers, l2_prefetch,
-        l2_prefetch_blocks, l2_prefetch_next, side_gemv_waves)
+        l2_prefetch_blocks, l2_prefetch_next, side_gemv_waves, side_q_b_waves)
         set while inside, as they were after it; the step is captured anew under each (an A/B
         of the step; an unknown name raises AttributeError)."""
         before = {k: getattr(self, k) for k in values}
@@ -478,10 +482,12 @@ class DecodeEngine:
         if in_readers and limbs is None:  # (q_b's limbs with the norm, beside the indexer)
             limbs = q8_0_limbs(self.cq, sq, norm=(self.cq_norm, L.q_a_norm, eps),
                                name="q_b limbs")
-        if limbs is not None:
-            gemv_q8_0(self.q.reshape(1, H * K), L.q_b, None, stream=sq, threads=nt, limbs=limbs)
-        else:
-            gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
+        with grid_waves_or_not(self.side_q_b_waves if sq is not s else None):
+            if limbs is not None:
+                gemv_q8_0(self.q.reshape(1, H * K), L.q_b, None, stream=sq, threads=nt,
+                          limbs=limbs)
+            else:
+                gemv(self.q.reshape(1, H * K), L.q_b, self.cq_norm, None, sq, threads=nt)
         q2 = self.q.reshape(H, K)
         # the weightless per-head norm, then RoPE (made by HCA's tensor-core attention as it
         # loads q instead: its build spills, and it measured nil with post + comb and the
