@@ -361,7 +361,9 @@ def inspect(path, all_keys):
                    "side streams' small GEMVs at 0.125 or 0.5 of a wave; the CSA layers' q_b "
                    "beside the indexer at 0.5 or 0.25 of a wave; the q_a norm folded on "
                    "every layer; the indexer query's Hadamard a warp a vector; the routed "
-                   "gate+up's SM-wide build of 4 tiles a block; the routed down on the int8 "
+                   "gate+up's SM-wide build of 4 tiles a block, or its super-blocks summed as "
+                   "integers (x scaled per 256 columns), its tables packed or wide; the routed "
+                   "down on the int8 "
                    "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
                    "process.")
 @click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",

@@ -261,7 +261,9 @@ def _decode_variants() -> dict:
     candidate (those grids at 0.75 of a wave: nil; the side streams' small GEMVs at 0.125 or
     0.5 of a wave; the CSA layers' q_b, beside the indexer's longer path, at 0.5 or 0.25; the q_a
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
-    query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed Q2_K down on
+    query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed gate+up's
+    super-blocks summed as integers, x scaled per 256 columns, its tables packed or wide (a
+    lookup's address by one instruction); the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
     gate+up's launch (6.048 against 5.977 ms), the Q8_0 dp4a GEMVs taking their row groups from
     a counter (6.840), capped at 255 registers (6.168) or built for 2 rows a step (5.981) or a
@@ -350,6 +352,10 @@ def _decode_variants() -> dict:
                 idx_query_one_launch=False),
             "the routed gate+up SM-wide, 4 tiles a block (candidate)": dict(
                 imma_gate_up="sm"),
+            "the routed gate+up's super-blocks summed as integers (candidate)": dict(
+                imma_gate_up="sm3_int_sums"),
+            "the routed gate+up's super-blocks summed as integers, wide tables (candidate)": dict(
+                imma_gate_up="sm3_int_wide"),
             "the indexer scorer staging q (before q's fragments from the query's launch)": dict(
                 scorer_q_fragments=False)}
 

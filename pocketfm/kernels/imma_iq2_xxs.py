@@ -45,7 +45,7 @@ from .device import (SIMULATOR, cdiv, kernel, launch_shared, resident_blocks,
 from .imma import (ROWS, WARPS, XCH, _lds_u32, _mma_s8, _shared_at, _shf_r, _syncwarp,
                    graph_cases, hi_lo_bytes, quad_sums, routed_setup, tile_out,
                    tile_thread)
-from .lowbit_layout import _ld_u64x2, _prmt
+from .lowbit_layout import _ld_f16_flat, _ld_u64x2, _ld_u64x2_flat, _prmt
 from .qweight import QWeight
 
 GROUP = 32  # columns a group (the MMA's K; one IQ2_XXS scale)
@@ -61,6 +61,14 @@ SM_SUBS = 4  # the SM-wide build: tiles a block works on at once, WARPS warps ea
 SM_REPS = 32  # ... and its table copies: one a lane, no bank conflicts
 SM_XCH = SM_SUBS * XCH if SIMULATOR else 1  # its simulator MMA exchange (blockDim threads)
 SM_WARPS = SM_SUBS * WARPS
+# The wide layout (``wide`` builds): the tables' copies in a 64 KB-aligned 64 KB region of
+# shared memory, code entry i's 32 copies at bytes 256 i .. 256 i + 127 (copy l at 4 l), sign
+# entry s's at 256 s + 128 ..: a lane's code address is its 4 l and the region's high bytes
+# with the grid index as byte 1 (one prmt of the group word and lane_at), its sign address the
+# rotated sign bits or-ed in (one lop3), where the packed tables take a multiply-add and an
+# add. WIDE_SMEM holds the region wherever the dynamic shared memory starts (< 64 KB) and the
+# staged rows before it (where they fit) or after it.
+WIDE_SMEM = 2 * 65536
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -105,11 +113,28 @@ def _odd_scaled(v, w):
     return float32(int32(v * int32(uint32(w >> uint64(59)) | uint32(1))))
 
 
-def _group_math(reps: int, sign_alu: bool, quad: bool = False):
+@cuda.jit(device=True)
+def _odd(w):
+    """2 ls + 1 of the group word ``w`` as int32 (as _odd_scaled)."""
+    return int32(uint32(w >> uint64(59)) | uint32(1))
+
+
+def _group_math(reps: int, sign_alu: bool, quad: bool = False, int_sums: bool = False,
+                wide: bool = False):
     """The stage loop both GEMV bodies run (tile_stages, on grid_row_codes and super_block) for
     ``reps`` copies of the tables in shared memory, the signs from the sign table or
     (``sign_alu``) by _signs_by_multiplies; with ``quad`` each lane scales one group in four
-    (its sums are a quarter of the row's: the caller adds the quad's)."""
+    (its sums are a quarter of the row's: the caller adds the quad's); with ``int_sums`` a
+    super-block's groups are summed as integers, x's scale the same for all 8 of them
+    (prepare_x(super_blocks=True)): per group and row two multiply-adds of the MMA's hi and lo
+    sums by the odd scale, where the float sums take a combine, a multiply, a conversion and a
+    multiply-add, and x's scale is read once a super-block (|Σ c · (2 ls + 1)| <= 8 · 32 · 43 ·
+    128 · 31 < 2^26: no overflow). ``wide``: the tables as _sm_tiles_body lays them out for
+    ``wide`` (reps = SM_REPS): lane_at = (the 64 KB-aligned region's address + 4 lane, that +
+    128 behind an identity prmt), pick = 0x7604 + 16 c, and a lookup's address made by one prmt
+    (codes) or one lop3 (signs: LLVM would move a visible + 128 out of the or, a second lop3);
+    with int_sums only; the stages' loads and x by unsigned flat offsets (_load_stage_flat)."""
+    assert not (wide and (sign_alu or quad or not int_sums or reps != SM_REPS))
     signs_at = 256 * reps  # where the sign table's copies start (uint32 words)
     at = (4 * reps).bit_length() - 1  # log2 of a table entry's bytes over the copies
     assert 4 * reps == 1 << at, reps
@@ -120,8 +145,17 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False):
         # 8 int8 codes, magnitude · sign, in two uint32 (module doc: lookups and two permutes).
         # The row is the lane's c: pick = 0x4440 + c (prmt: its index byte alone), shift = 7 c
         # (its 7 sign bits); lane_at: the shared address of the lane's copy of the tables.
-        idx = _prmt(uint32(w & uint64(0xFFFFFFFF)), 0, pick)
         wh = uint32(w >> uint64(32))
+        if wide:
+            # the lane's code entry: the region's bytes 0, 2, 3 and 4 lane with the index byte
+            # as byte 1 (entries 256 bytes apart); its sign entry: the 7 bits rotated to bit 8,
+            # or-ed into lane_at's bits with the half-entry's 128 (_WIDE_LAYOUT)
+            code_base, sign_base = lane_at
+            code_at = _prmt(uint32(w & uint64(0xFFFFFFFF)), code_base, pick)
+            s7_at = _shf_r(wh, wh, (shift - uint32(8)) & uint32(31)) & uint32(127 << 8)
+            sel = _lds_u32(tab, code_at) | _lds_u32(tab, s7_at | sign_base)
+            return _prmt(_POS, _NEG, sel), _prmt(_POS, _NEG, sel >> uint32(16))
+        idx = _prmt(uint32(w & uint64(0xFFFFFFFF)), 0, pick)
         if sign_alu:
             sg = _signs_by_multiplies(_shf_r(wh, 0, shift) & uint32(127))
         else:
@@ -171,9 +205,58 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False):
         return _odd_scaled(v0, w0) * sx, _odd_scaled(v8, w8) * sx
 
     @cuda.jit(device=True)
+    def group_int(rows, r0, r8, k, xr, pick, shift, tab, lane_at, xch, h0, l0, h8, l8):
+        # group k's MMA sums (x's hi and lo planes) of rows g and g + 8 times their odd scales,
+        # added to the super-block's integer sums
+        w0 = rows[r0 + k]
+        w8 = rows[r8 + k]
+        if wide:
+            xa, xo = xr
+            bv = xa[xo + uint32(4 * k)]
+        else:
+            bv = xr[4 * k]
+        a0, a2 = grid_row_codes(w0, pick, shift, tab, lane_at)
+        a1, a3 = grid_row_codes(w8, pick, shift, tab, lane_at)
+        c0, c1, c2, c3 = _mma_s8(a0, a1, a2, a3, uint32(bv & uint64(0xFFFFFFFF)),
+                                 uint32(bv >> uint64(32)), xch)
+        o0 = _odd(w0)
+        o8 = _odd(w8)
+        # (int32 again: numba widens an int32 product to int64, a wide multiply-add each)
+        return (int32(h0 + c0 * o0), int32(l0 + c1 * o0), int32(h8 + c2 * o8),
+                int32(l8 + c3 * o8))
+
+    @cuda.jit(device=True)
     def super_block(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch, c):
         # the 8 groups k0 .. k0 + 7 of a super-block -> the sums of rows g, g + 8; written
         # out, not a loop: LLVM leaves a loop of this size rolled, with 64-bit counters
+        if int_sums:
+            h0 = int32(0)
+            l0 = int32(0)
+            h8 = int32(0)
+            l8 = int32(0)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0 + 1, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0 + 2, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0 + 3, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0 + 4, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0 + 5, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0 + 6, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            h0, l0, h8, l8 = group_int(rows, r0, r8, k0 + 7, xr, pick, shift, tab, lane_at,
+                                       xch, h0, l0, h8, l8)
+            if wide:
+                sa, so = sr
+                sx = sa[so + uint32(k0)]  # (every group's of the super-block)
+            else:
+                sx = sr[k0]
+            return ((float32(h0) * float32(256) + float32(l0)) * sx,
+                    (float32(h8) * float32(256) + float32(l8)) * sx)
         if quad:
             s0, s1 = quad_groups(rows, r0, r8, k0, xr, sr, pick, shift, tab, lane_at, xch, c)
             t0, t1 = quad_groups(rows, r0, r8, k0 + 4, xr, sr, pick, shift, tab, lane_at, xch,
@@ -210,13 +293,22 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False):
             d0, d8 = float32(dpre[0]), float32(dpre[1])  # (converted here, not at the load:
             d0b, d8b = float32(dpre[2]), float32(dpre[3])  # the load's latency stays hidden)
             _syncwarp()
-            if j + 1 < per_warp:
+            if wide:
+                if j + 1 < per_warp:
+                    _load_stage_flat(pre, dpre, qs, d, e, n0, stage + nw, N, lr, lc, g)
+                elif n_next >= 0:
+                    _load_stage_flat(pre, dpre, qs, d, e, n_next, stage0, N, lr, lc, g)
+            elif j + 1 < per_warp:
                 _load_stage(pre, dpre, qs, d, e, n0, stage + nw, N, lr, lc, g)
             elif n_next >= 0:
                 _load_stage(pre, dpre, qs, d, e, n_next, stage0, N, lr, lc, g)
             col0 = uint32(stage * STAGE)  # the stage's first group
-            xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
-            sr = xs[uint32(bx * G) + col0:]
+            if wide:  # (x by unsigned offsets: no slice's bounds to clamp)
+                xr = (xq, uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0)
+                sr = (xs, uint32(bx * G) + col0)
+            else:
+                xr = xq[uint32((2 * bx + (g & 1)) * 4 * G + c) + uint32(4) * col0:]
+                sr = xs[uint32(bx * G) + col0:]
             s0, s1 = super_block(rows, r0, r8, 0, xr, sr, pick, shift, tab, lane_at, xch, c)
             acc0 += s0 * d0
             acc1 += s1 * d8
@@ -279,7 +371,7 @@ def _tiles_body(reps: int, sign_alu: bool, quad: bool):
     return gemv_iq2_xxs_imma_tiles
 
 
-def _sm_tiles_body(sign_alu: bool, subs: int):
+def _sm_tiles_body(sign_alu: bool, subs: int, int_sums: bool = False, wide: bool = False):
     """The SM-wide build: one block of subs x WARPS warps an SM (subs <= SM_SUBS; 128-168
     registers a thread: the whole register file) sharing one set of SM_REPS table copies, a
     copy a lane, so that no lookup meets another in a bank ((k): 51% of the shared wavefronts
@@ -294,11 +386,13 @@ def _sm_tiles_body(sign_alu: bool, subs: int):
     loads table entry t once and writes its SM_REPS copies, lane l's k-th store at copy
     (l + k) mod 32 so that a warp's stores meet no bank twice (Nsight, H100, 2026-12-07 (x): a
     quarter of the samples were this set-up when every thread loaded and stored 32 words four
-    at a time, each load a constant-cache round trip, the first stage requested only after)."""
-    tile_stages = _group_math(SM_REPS, sign_alu)
+    at a time, each load a constant-cache round trip, the first stage requested only after).
+    ``int_sums``: _group_math's integer super-block sums (x from prepare_x(super_blocks=True));
+    ``wide``: the tables in _WIDE_LAYOUT (WIDE_SMEM bytes), the rows before or after them."""
+    tile_stages = _group_math(SM_REPS, sign_alu, int_sums=int_sums, wide=wide)
     table_words = (256 if sign_alu else 384) * SM_REPS
-    rows_at = table_words // 2  # the staged rows' first uint64 word, after the tables
     tables = _TABLES[:table_words // SM_REPS]
+    rows_bytes = 8 * subs * WARPS * ROWS * STAGE_LD
     NT = 32 * WARPS * subs  # the block's threads
     entries = table_words // SM_REPS
     assert SM_REPS == 32 and entries <= NT, (SM_REPS, entries, NT)
@@ -326,12 +420,31 @@ def _sm_tiles_body(sign_alu: bool, subs: int):
         tn = cuda.blockIdx.x * subs + sub
         _load_stage(pre, dpre, qs, d, e, min(tn, tiles_n - 1) * ROWS, sw, N, lr, lc, g)
         consts = cuda.const.array_like(tables)
-        if t < entries:
-            v = consts[t]
-            for k in range(SM_REPS):
-                tab[t * SM_REPS + ((t + k) & (SM_REPS - 1))] = v
-        lane_at = _shared_at(tab) + uint32(4 * lane)  # the lane's copy of the tables
-        pick = uint32(0x4440 + c)
+        if wide:
+            base = _shared_at(tab)
+            region = (base + uint32(65535)) & uint32(0xFFFF0000)
+            # the rows (uint64 words from tab's first) before the region where they fit
+            # (even, as it is: tab's first byte is 16-byte aligned, and the compiler then
+            # knows a row's two words at even k for one 16-byte load)
+            rows_at = (uint32(0) if region - base >= uint32(rows_bytes)
+                       else (region - base + uint32(65536)) // uint32(8)) & uint32(0xFFFFFFFE)
+            if t < entries:  # entry t's word in tab: a code, or sign t - 256 (_WIDE_LAYOUT)
+                at = (region - base) // uint32(4) + uint32(
+                    64 * t if t < 256 else 64 * (t - 256) + 32)
+                v = consts[t]
+                for k in range(SM_REPS):
+                    tab[at + uint32((t + k) & (SM_REPS - 1))] = v
+            code_base = region + uint32(4 * lane)
+            lane_at = (code_base, _prmt(code_base + uint32(128), 0, 0x3210))  # (_group_math)
+            pick = uint32(0x7604 + 16 * c)
+        else:
+            rows_at = uint32(table_words // 2)  # (uint64 words: the rows after the tables)
+            if t < entries:
+                v = consts[t]
+                for k in range(SM_REPS):
+                    tab[t * SM_REPS + ((t + k) & (SM_REPS - 1))] = v
+            lane_at = _shared_at(tab) + uint32(4 * lane)  # the lane's copy of the tables
+            pick = uint32(0x4440 + c)
         shift = uint32(7 * c)
         r0 = uint32(rows_at + (w * ROWS + g) * STAGE_LD)
         r8 = r0 + uint32(8 * STAGE_LD)
@@ -346,9 +459,11 @@ def _sm_tiles_body(sign_alu: bool, subs: int):
     return gemv_iq2_xxs_imma_sm_tiles
 
 
-def sm_tiles_smem(sign_alu: bool = False, subs: int = SM_SUBS) -> int:
+def sm_tiles_smem(sign_alu: bool = False, subs: int = SM_SUBS, wide: bool = False) -> int:
     """Dynamic shared bytes of the SM-wide build of ``subs`` sub-blocks: the tables' copies,
-    then the staged rows."""
+    then the staged rows (``wide``: WIDE_SMEM)."""
+    if wide:
+        return WIDE_SMEM
     return 4 * (256 if sign_alu else 384) * SM_REPS + 8 * subs * WARPS * ROWS * STAGE_LD
 
 
@@ -366,22 +481,56 @@ def _load_stage(pre, dpre, qs, d, e, n0, stage, N, lr, lc, g):
     dpre[3] = d[e, min(n0 + g + 8, N - 1), 2 * stage + 1]
 
 
-def x_imma_groups(xq, xs, x):
-    # grid (K / 8 / threads, T): thread i makes columns 8i .. 8i+7 of x[b], one uint64 of each
-    # byte plane; the 4 threads of a 32-column group share its scale (xor butterflies: every
-    # thread takes part, those past K / 8 on a copy of columns 0-7, storing nothing).
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    b = cuda.blockIdx.y
-    K = x.shape[1]
-    xch = cuda.shared.array(SHF, float32)
-    c0 = 8 * i if i < K // 8 else 0
-    v = cuda.local.array(8, float32)
-    a = float32(0)
-    for k in range(8):
-        v[k] = x[b, c0 + k]
-        a = max(a, abs(v[k]))
-    a = max(a, xor_shfl(a, 1, xch))
-    a = max(a, xor_shfl(a, 2, xch))
+@cuda.jit(device=True)
+def _load_stage_flat(pre, dpre, qs, d, e, n0, stage, N, lr, lc, g):
+    """_load_stage by uint32 flat offsets (qs's and d's elements < 2^32: gemv_prepared): a
+    row's address one multiply-add, where (e, n, j) indexing takes 64-bit strides, adds and
+    the wrap-around of signed indices."""
+    G = uint32(qs.shape[2])
+    D = uint32(d.shape[2])
+    first = uint32(e) * uint32(N)  # the expert's first row
+    col = uint32(stage * STAGE + 2 * lc)
+    for i in range(4):
+        n = first + uint32(min(n0 + lr + 4 * i, N - 1))
+        pre[2 * i], pre[2 * i + 1] = _ld_u64x2_flat(qs, n * G + col)
+    at0 = (first + uint32(min(n0 + g, N - 1))) * D + uint32(2 * stage)
+    at8 = (first + uint32(min(n0 + g + 8, N - 1))) * D + uint32(2 * stage)
+    dpre[0] = _ld_f16_flat(d, at0)
+    dpre[1] = _ld_f16_flat(d, at8)
+    dpre[2] = _ld_f16_flat(d, at0 + uint32(1))
+    dpre[3] = _ld_f16_flat(d, at8 + uint32(1))
+
+
+def _x_prep(lanes: int):
+    """The x preparation kernel whose scale spans ``lanes`` threads' 8 columns each: 4 (a
+    32-column group: prepare_x) or 32 (a 256-column super-block, every group's scale entry
+    that of its super-block: prepare_x(super_blocks=True))."""
+    offs = tuple(1 << j for j in range(lanes.bit_length() - 1))  # the xor butterflies
+    assert 1 << len(offs) == lanes
+
+    def x_imma_groups(xq, xs, x):
+        # grid (K / 8 / threads, T): thread i makes columns 8i .. 8i+7 of x[b], one uint64 of
+        # each byte plane; the ``lanes`` threads of a scale share it (xor butterflies: every
+        # thread takes part, those past K / 8 on a copy of columns 0-7, storing nothing).
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        K = x.shape[1]
+        xch = cuda.shared.array(SHF, float32)
+        c0 = 8 * i if i < K // 8 else 0
+        v = cuda.local.array(8, float32)
+        a = float32(0)
+        for k in range(8):
+            v[k] = x[b, c0 + k]
+            a = max(a, abs(v[k]))
+        for off in offs:
+            a = max(a, xor_shfl(a, off, xch))
+        _x_store(xq, xs, v, a, i, b, K)
+    return x_imma_groups
+
+
+@cuda.jit(device=True)
+def _x_store(xq, xs, v, a, i, b, K):
+    # thread i's 8 columns of x[b] in both byte planes, and its group's scale (a: the max)
     hw, lw, _ = hi_lo_bytes(v, float32(32000) / a if a > 0 else float32(0))
     if i < K // 8:
         xq[(2 * b) * (K // 8) + i] = hw
@@ -404,16 +553,19 @@ def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
     return k
 
 
-def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS):
+def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS, int_sums: bool = False,
+                     wide: bool = False):
     """The SM-wide build (_sm_tiles_body) of ``subs`` sub-blocks, its registers capped so
     that one block fills the register file (128 a thread at 4, 8 bytes spilled; 168 at 3).
-    ``smem``: its dynamic shared bytes; ``subs``: its tiles at once."""
+    ``smem``: its dynamic shared bytes; ``subs``: its tiles at once; ``super_x``: whether it
+    needs x scaled per super-block (``int_sums``); ``wide``: the tables in _WIDE_LAYOUT."""
     assert 1 <= subs <= SM_SUBS
-    k = kernel(_sm_tiles_body(sign_alu, subs),
+    k = kernel(_sm_tiles_body(sign_alu, subs, int_sums, wide),
                max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
     k.__name__ = k.__qualname__ = "_gemv_iq2_xxs_imma_sm_tiles" + "".join(
-        f"_{v}" for v, on in (("alu_signs", sign_alu), (f"subs{subs}", subs != SM_SUBS)) if on)
-    k.smem, k.subs = sm_tiles_smem(sign_alu, subs), subs
+        f"_{v}" for v, on in (("alu_signs", sign_alu), (f"subs{subs}", subs != SM_SUBS),
+                              ("int_sums", int_sums), ("wide", wide)) if on)
+    k.smem, k.subs, k.super_x = sm_tiles_smem(sign_alu, subs, wide), subs, int_sums
     return k
 
 
@@ -427,14 +579,21 @@ _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 # 28.7 µs (H100, 2026-12-06 (v)); in the step (H100, 30 layers, 2026-12-07 (w)) sm3 6.276 and
 # sm3_alu_signs 6.311 against 6.297 ms: the decode engine runs "sm3". With one stage loop
 # (_group_math's tile_stages) for both bodies, sm3 26.5 against 27.0 µs, sm 26.8 against 27.6
-# (H100, 2026-12-07 (x); the sign rotate beside it: no change, 26.5).
+# (H100, 2026-12-07 (x); the sign rotate beside it: no change, 26.5). sm3_int_sums: sm3 with a
+# super-block's groups summed as integers, x scaled per super-block (~5 instructions fewer a
+# group of ~42, no conversion a group; not yet measured); sm3_int_wide: that with the tables in
+# _WIDE_LAYOUT (2 instructions fewer a grid row; not yet measured).
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
               "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
               "quad": _tiles_kernel(quad=True), "reps16_quad": _tiles_kernel(16, quad=True),
               "sm": _sm_tiles_kernel(), "sm_alu_signs": _sm_tiles_kernel(sign_alu=True),
-              "sm3": _sm_tiles_kernel(subs=3), "sm3_alu_signs": _sm_tiles_kernel(True, 3)}
-_x_imma_groups = kernel(x_imma_groups)
+              "sm3": _sm_tiles_kernel(subs=3), "sm3_alu_signs": _sm_tiles_kernel(True, 3),
+              "sm3_int_sums": _sm_tiles_kernel(subs=3, int_sums=True),
+              "sm3_int_wide": _sm_tiles_kernel(subs=3, int_sums=True, wide=True)}
+_x_imma_groups = kernel(_x_prep(4))
 _x_imma_groups.__name__ = "_x_imma_groups"
+_x_imma_super_blocks = kernel(_x_prep(32))
+_x_imma_super_blocks.__name__ = "_x_imma_super_blocks"
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -443,16 +602,25 @@ def takes_imma(w: QWeight) -> bool:
     return w.qtype == GGMLType.IQ2_XXS and w.cols % (GROUP * STAGE) == 0
 
 
-def prepare_x(x, stream=0):
+def prepare_x(x, stream=0, super_blocks: bool = False):
     """x float32 [T, K] -> (xq uint64 [T * 2 * K/8]: per row the hi then the lo byte plane, xs
     float32 [T * K/32]: the groups' scales; flat, as the GEMV indexes them) in buffers of
     ``stream``'s own, in one small launch: the first half of the GEMV, so that it can run on a
-    branch beside other work (the router)."""
+    branch beside other work (the router). ``super_blocks``: each group's scale that of its
+    256-column super-block (the max over 256 columns: what an ``int_sums`` build needs; every
+    build takes it)."""
     T, K = x.shape
     xq = stream_buffer("imma x bytes", stream, (T * 2 * K // 8,), np.uint64)
     xs = stream_buffer("imma x scales", stream, (T * K // GROUP,), np.float32)
-    _x_imma_groups[(cdiv(K // 8, PREP_THREADS), T), PREP_THREADS, stream](xq, xs, x)
+    k = _x_imma_super_blocks if super_blocks else _x_imma_groups
+    k[(cdiv(K // 8, PREP_THREADS), T), PREP_THREADS, stream](xq, xs, x)
     return xq, xs
+
+
+def needs_super_block_x(build) -> bool:
+    """Whether the GEMV build ``build`` (None / True: the default; a CANDIDATES key) takes x
+    only from prepare_x(super_blocks=True)."""
+    return isinstance(build, str) and getattr(CANDIDATES[build], "super_x", False)
 
 
 def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> None:
@@ -467,6 +635,7 @@ def gemv_prepared(out, w: QWeight, prepared, ids=None, stream=0, build=None) -> 
     stages = w.cols // (GROUP * STAGE)
     nw = next(n for n in (WARPS, 2, 1) if stages % n == 0)
     qs, d = w.planes
+    assert qs.size < 2**32 and xq.size < 2**32  # (the wide build's uint32 offsets)
     args = (out, qs, d, xq, xs, _no_ids() if ids is None else ids, nw)
     k = _gemv_iq2_xxs_imma_tiles if build is None else CANDIDATES[build]
     if getattr(k, "subs", 1) > 1 and nw != WARPS:  # the SM-wide build takes WARPS warps a tile
@@ -487,7 +656,8 @@ def gemv_iq2_xxs_imma(out, w: QWeight, x, ids=None, stream=0) -> None:
 _TILES_SIG = ("void(float32[:, ::1], uint64[:, :, ::1], float16[:, :, ::1], uint64[::1], "
               "float32[::1], int32[::1], int64)")
 PTX_SIGNATURES = [(k, _TILES_SIG) for k in (_gemv_iq2_xxs_imma_tiles, *CANDIDATES.values())]
-PTX_SIGNATURES.append((_x_imma_groups, "void(uint64[::1], float32[::1], float32[:, ::1])"))
+PTX_SIGNATURES += [(k, "void(uint64[::1], float32[::1], float32[:, ::1])")
+                   for k in (_x_imma_groups, _x_imma_super_blocks)]
 
 
 def bench_cases(stream) -> list[BenchCase]:
@@ -504,7 +674,8 @@ def bench_cases(stream) -> list[BenchCase]:
                        stream=stream)
 
     def imma(ids, build=None):
-        return lambda: gemv_prepared(out, dev, prepare_x(x, stream), ids, stream, build)
+        sb = needs_super_block_x(build)
+        return lambda: gemv_prepared(out, dev, prepare_x(x, stream, sb), ids, stream, build)
 
     def dp4a(ids):
         return lambda: gl.gemv_prepared(out, dev, gl.prepare_x(dev, x, stream), ids, stream)

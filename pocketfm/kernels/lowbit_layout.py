@@ -176,6 +176,19 @@ if SIMULATOR:
     def _ld_u64x2(a, e, n, j):
         """a[e, n, j], a[e, n, j + 1] (on the GPU one 16-byte ld.global.nc; j even)."""
         return a[e, n, j], a[e, n, j + 1]
+
+    def _flat(a, off):
+        """The element of C-contiguous 3-d ``a`` at flat offset ``off``."""
+        _, n1, n2 = a.shape
+        return a[off // (n1 * n2), (off // n2) % n1, off % n2]
+
+    def _ld_u64x2_flat(a, off):
+        """a.flat[off], a.flat[off + 1] (on the GPU one 16-byte ld.global.nc; off even)."""
+        return _flat(a, off), _flat(a, off + 1)
+
+    def _ld_f16_flat(a, off):
+        """a.flat[off] of a float16 array (on the GPU one 2-byte ld.global.nc)."""
+        return _flat(a, off)
 else:
     from llvmlite import ir
     from numba import types
@@ -225,6 +238,44 @@ else:
             v = builder.call(asm, [ptr])
             return cgutils.pack_array(builder, [builder.extract_value(v, i) for i in range(2)])
         return types.UniTuple(types.uint64, 2)(a, e, n, j), codegen
+
+    def _flat_ptr(context, builder, aryty, ary, off, offty):
+        # the address of C-contiguous ``ary``'s element at flat offset ``off`` (unsigned: one
+        # widening multiply-add, where indexing by (e, n, j) takes 64-bit strides and adds)
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        i64 = context.cast(builder, off, offty, types.uint64)
+        return builder.gep(arr.data, [i64])
+
+    @intrinsic
+    def _ld_u64x2_flat(typingctx, a, off):
+        """a.flat[off], a.flat[off + 1] of C-contiguous uint64 ``a`` in one 16-byte read-only
+        load (off even, unsigned: a uint32 offset is one multiply-add from the base)."""
+        if not (isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.uint64
+                and isinstance(off, types.Integer) and not off.signed):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _flat_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([ir.IntType(64)] * 2), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v2.u64 {$0, $1}, [$2];", "=l,=l,l")
+            v = builder.call(asm, [ptr])
+            return cgutils.pack_array(builder, [builder.extract_value(v, i) for i in range(2)])
+        return types.UniTuple(types.uint64, 2)(a, off), codegen
+
+    @intrinsic
+    def _ld_f16_flat(typingctx, a, off):
+        """a.flat[off] of C-contiguous float16 ``a`` (one read-only 2-byte load; unsigned
+        off)."""
+        if not (isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float16
+                and isinstance(off, types.Integer) and not off.signed):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _flat_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            fnty = ir.FunctionType(ir.IntType(16), [ptr.type])
+            # (numba's float16 is an i16 in registers: the bits are the value)
+            return builder.call(ir.InlineAsm(fnty, "ld.global.nc.b16 $0, [$1];", "=h,l"), [ptr])
+        return types.float16(a, off), codegen
 
 
 @cuda.jit(device=True)

@@ -509,9 +509,10 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     # the routed gate/up's kernel and x preparation: imma's tensor cores or the dp4a GEMV
     on_imma = bool(imma_gate_up) and fused and imma_iq2_xxs.takes_imma(gate_exps)
     build = None if imma_gate_up is True else imma_gate_up  # (a name: one of its candidates)
+    sb = imma_iq2_xxs.needs_super_block_x(build)  # (its x scaled per super-block)
     prepared = None  # x for the routed gate/up, made beside the router: it needs only x
     if side_x is not None and on_imma:
-        prepared = imma_iq2_xxs.prepare_x(x, side_x.fork(stream))
+        prepared = imma_iq2_xxs.prepare_x(x, side_x.fork(stream), sb)
     elif side_x is not None and fused and takes_prepared_x(gate_exps, threads):
         prepared = prepare_x(gate_exps, x, side_x.fork(stream))
     gemv(sc.logits, gate_inp, x, None, stream, threads)
@@ -532,8 +533,8 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
         else:
             gemv_prepared(R["gate_up"], gate_exps, prepared, sc.ids_k, stream, threads)
     elif on_imma:
-        imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps, imma_iq2_xxs.prepare_x(x, stream),
-                                   sc.ids_k, stream, build)
+        imma_iq2_xxs.gemv_prepared(R["gate_up"], gate_exps,
+                                   imma_iq2_xxs.prepare_x(x, stream, sb), sc.ids_k, stream, build)
     elif fused:
         gemv(R["gate_up"], gate_exps, x_ids, sc.ids_k, stream, threads)
     else:

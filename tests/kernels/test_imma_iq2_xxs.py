@@ -79,6 +79,45 @@ def test_x_preparation_rounds_to_the_group_scale():
     assert np.all(q[1, 32:64] == 0)
 
 
+def test_x_preparation_for_integer_sums_takes_the_super_block_scale():
+    """prepare_x(super_blocks=True): every group's scale is its 256-column super-block's max /
+    32000, x rounded to it (half a step), the bytes as prepare_x's."""
+    T, K = 2, 1024
+    x = fresh_rng().standard_normal((T, K)).astype(np.float32)
+    x[0, 256:288] *= 40  # (one group's max over the others': their scale follows it)
+    xq, xs = imma.prepare_x(cuda.to_device(x), super_blocks=True)
+    planes = xq.copy_to_host().view(np.int8).reshape(T, 2, K).astype(np.int64)
+    s = xs.copy_to_host().reshape(T, K // 32)
+    want = np.repeat(np.abs(x).reshape(T, -1, 256).max(axis=2) / 32000, 8, axis=1)
+    np.testing.assert_allclose(s, want, rtol=1e-6)
+    q = 256 * planes[:, 0] + planes[:, 1]
+    step = np.repeat(s, 32, axis=1)
+    assert np.abs(q).max() <= 32000
+    assert np.all(np.abs(q * step - x) <= 0.52 * step + 1e-12)
+
+
+def test_integer_sums_builds_equal_the_default_on_super_block_x():
+    """sm3_int_sums (and sm3_int_wide, its tables in the wide layout) over 9 tiles of 4 stages (two rounds, sub-blocks past the end) on x scaled
+    per super-block: the default build's sums of the same codes, up to its float roundings
+    (a group's product a float there, a super-block's integer sum here), and the reference
+    within the rounding of x to 15 bits of its super-block's max."""
+    w, x, ids, ref, bound = _case(3, 130, 2048, 2, True, False)
+    dw, dx, di = w.to_device(), cuda.to_device(x), cuda.to_device(ids)
+    base, out = poisoned((2, 130)), poisoned((2, 130))
+    imma.gemv_prepared(base, dw, imma.prepare_x(dx, super_blocks=True), di)
+    assert imma.needs_super_block_x("sm3_int_sums") and not imma.needs_super_block_x("sm3")
+    imma.gemv_prepared(out, dw, imma.prepare_x(dx, super_blocks=True), di, build="sm3_int_sums")
+    got, b = out.copy_to_host(), base.copy_to_host()
+    np.testing.assert_allclose(got, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+    assert rel_err(got, ref) <= 1e-3
+    # (x rounded to a super-block's max: within the row-max bound of the per-group test)
+    assert np.all(np.abs(got - ref) <= bound + 1e-5 * np.abs(ref) + 1e-6)
+    # the same codes from the wide table layout, summed in the same order: the same bits
+    wide = poisoned((2, 130))
+    imma.gemv_prepared(wide, dw, imma.prepare_x(dx, super_blocks=True), di, build="sm3_int_wide")
+    assert np.array_equal(wide.copy_to_host(), got)
+
+
 def test_tables_make_the_signed_grid():
     """The code and sign nibbles, through prmt's selection, give every grid row's signed bytes
     for every 7-bit sign index (the reference's grid · ksigns)."""
