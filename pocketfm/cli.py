@@ -363,7 +363,7 @@ def inspect(path, all_keys):
                    "every layer; the indexer query's Hadamard a warp a vector; the routed "
                    "gate+up's SM-wide build of 4 tiles a block, or its super-blocks summed as "
                    "integers (x scaled per 256 columns), its tables packed or wide; the routed "
-                   "down on the int8 "
+                   "down reading by flat offsets, or on the int8 "
                    "tensor cores too), each step captured anew, in turn, twice: an A/B in one "
                    "process.")
 @click.option("--decode-ab-only", "decode_ab_only", multiple=True, metavar="TEXT",

@@ -400,6 +400,13 @@ def test_the_routed_gate_up_summed_as_integers_changes_the_logits_by_rounding_on
         assert np.array_equal(logits["wide"][how], logits["int"][how])
 
 
+@pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the routed down's kernel)")
+def test_the_routed_down_reading_by_flat_offsets_changes_no_logit():
+    """DecodeEngine.down_flat_loads: the routed Q2_K down's dp4a kernel reads the same words by
+    uint32 flat offsets: the same logits bit for bit, eager and replayed."""
+    _assert_setting_changes_no_logit("down_flat_loads")
+
+
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the one-launch query)")
 def test_the_scorer_reading_q_fragments_changes_no_logit():
     """DecodeEngine.scorer_q_fragments: the query's launch writes q's bf16 pairs in the

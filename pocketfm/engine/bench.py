@@ -263,7 +263,8 @@ def _decode_variants() -> dict:
     norm folded on every layer: slower, the CSA layers' indexer path gets longer; the indexer
     query's Hadamard a warp a vector: nil, H100, 2026-12-05 (j); the routed gate+up's
     super-blocks summed as integers, x scaled per 256 columns, its tables packed or wide (a
-    lookup's address by one instruction); the routed Q2_K down on
+    lookup's address by one instruction); the routed down's dp4a kernel reading by uint32 flat
+    offsets; the routed Q2_K down on
     imma_q2_k.py's tensor cores too: slower, H200, 2026-12-06 (l)). The routing inside the routed
     gate+up's launch (6.048 against 5.977 ms), the Q8_0 dp4a GEMVs taking their row groups from
     a counter (6.840), capped at 255 registers (6.168) or built for 2 rows a step (5.981) or a
@@ -356,6 +357,7 @@ def _decode_variants() -> dict:
                 imma_gate_up="sm3_int_sums"),
             "the routed gate+up's super-blocks summed as integers, wide tables (candidate)": dict(
                 imma_gate_up="sm3_int_wide"),
+            "the routed down reading by flat offsets (candidate)": dict(down_flat_loads=True),
             "the indexer scorer staging q (before q's fragments from the query's launch)": dict(
                 scorer_q_fragments=False)}
 

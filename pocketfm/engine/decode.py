@@ -311,6 +311,10 @@ class DecodeEngine:
         # candidate: 10.343 with both against 10.257
         self.imma_gate_up = "sm3"
         self.imma_down = False
+        # a candidate: the routed Q2_K down's dp4a kernel reading its quant words and scales by
+        # uint32 flat offsets (gemv_lowbit.FLAT_DECODE; its loop 6% fewer SASS instructions,
+        # the same sums; not yet measured on a GPU)
+        self.down_flat_loads = False
         if device.SIMULATOR:
             simulator_prefers_rows()
 
@@ -318,7 +322,8 @@ class DecodeEngine:
     def settings(self, **values):
         """These attributes (branches, fold_q_a_norm, hc_u_threads, limbs_by_words, gemv_waves,
         indexer_one_warp, scorer_counts_first_digit, limbs_in_combine, hadamard_warp,
-        idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, hc_u_prefetch,
+        idx_query_one_launch, scorer_q_fragments, imma_gate_up, imma_down, down_flat_loads,
+        hc_u_prefetch,
         hc_mix_prefetch,
         hc_u_gram, moe_parts,
         attn_prefetch, attn_split_tiles, attn_head_warps, attn_bf16_tile, attn_staged,
@@ -654,7 +659,8 @@ class DecodeEngine:
                   L.shared_down, cfg.swiglu_clamp[i], cfg.swiglu_clamp_shared[i],
                   cfg.routed_scale, self.moe, int(cfg.norm_topk), s, threads=nt,
                   side=side, side_x=self.side_q if self.branches else None,
-                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down)
+                  imma_gate_up=self.imma_gate_up, imma_down=self.imma_down,
+                  down_flat=self.down_flat_loads)
         if side is not None:  # (moe_layer joins it too, when it has a shared expert)
             side.join(s)
             if pside is not side:

@@ -186,8 +186,8 @@ if SIMULATOR:
         """a.flat[off], a.flat[off + 1] (on the GPU one 16-byte ld.global.nc; off even)."""
         return _flat(a, off), _flat(a, off + 1)
 
-    def _ld_f16_flat(a, off):
-        """a.flat[off] of a float16 array (on the GPU one 2-byte ld.global.nc)."""
+    def _ld_flat(a, off):
+        """a.flat[off] of a C-contiguous array (on the GPU one load from a multiply-add)."""
         return _flat(a, off)
 else:
     from llvmlite import ir
@@ -263,19 +263,18 @@ else:
         return types.UniTuple(types.uint64, 2)(a, off), codegen
 
     @intrinsic
-    def _ld_f16_flat(typingctx, a, off):
-        """a.flat[off] of C-contiguous float16 ``a`` (one read-only 2-byte load; unsigned
-        off)."""
-        if not (isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float16
+    def _ld_flat(typingctx, a, off):
+        """a.flat[off] of C-contiguous ``a`` (any element type; unsigned off: one multiply-add
+        from the base, where (e, n, j) indexing takes 64-bit strides, adds and the
+        wrap-around of signed indices)."""
+        if not (isinstance(a, types.Array) and a.layout == "C"
                 and isinstance(off, types.Integer) and not off.signed):
             return None
 
         def codegen(context, builder, sig, args):
-            ptr = _flat_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            fnty = ir.FunctionType(ir.IntType(16), [ptr.type])
-            # (numba's float16 is an i16 in registers: the bits are the value)
-            return builder.call(ir.InlineAsm(fnty, "ld.global.nc.b16 $0, [$1];", "=h,l"), [ptr])
-        return types.float16(a, off), codegen
+            return builder.load(_flat_ptr(context, builder, sig.args[0], args[0], args[1],
+                                          sig.args[1]))
+        return a.dtype(a, off), codegen
 
 
 @cuda.jit(device=True)
@@ -424,6 +423,23 @@ def _q2_k_aux(planes, e, n, sl):
     qs, sc, dm = planes
     s = sl >> 2
     return sc[e, n, sl], float32(dm[e, n, 2 * s]), float32(dm[e, n, 2 * s + 1])
+
+
+@cuda.jit(device=True)
+def flat_at(row, cols, col):
+    """row · cols + col in uint32 (numba widens uint32 arithmetic to 64 bits: each step cast
+    back, so that the offset is one 32-bit multiply-add)."""
+    return uint32(uint32(uint32(row) * uint32(cols)) + uint32(col))
+
+
+@cuda.jit(device=True)
+def _q2_k_aux_flat(planes, fr, sl):
+    # _q2_k_aux of flat row fr = e · N + n (uint32) by flat offsets (the dp4a kernel's flat
+    # build: its elements < 2^32)
+    qs, sc, dm = planes
+    at = flat_at(fr, dm.shape[2], 2 * (sl >> 2))
+    return (_ld_flat(sc, flat_at(fr, sc.shape[2], sl)), float32(_ld_flat(dm, at)),
+            float32(_ld_flat(dm, uint32(at + uint32(1)))))
 
 
 @cuda.jit(device=True)

@@ -450,15 +450,17 @@ class MoEScratch:
 
 
 def _swiglu_down(rows, w_down, g, u, col, weights, clamp, ids, stream, threads,
-                 imma_down=False) -> None:
+                 imma_down=False, down_flat=False) -> None:
     """rows["down"] = W_down[ids] · h, h = weights · SwiGLU(rows[g], rows[u]): h made inside the
     down GEMV's x preparation (gemv_swiglu, one launch fewer, rows["h"] left unwritten) when
     gate and up are fused and W_down is low-bit (with ``imma_down`` and Q2_K: imma_q2_k's int8
-    tensor-core kernel), else the SwiGLU launch into rows["h"] first."""
+    tensor-core kernel; with ``down_flat`` the dp4a kernel's flat-offset build), else the SwiGLU
+    launch into rows["h"] first."""
     if g == u and imma_down and imma_q2_k.takes_imma_q2_k(w_down):
         imma_q2_k.gemv_swiglu_imma(rows["down"], w_down, rows[g], weights, clamp, ids, stream)
     elif g == u and fuses_swiglu(w_down, threads):
-        gemv_swiglu(rows["down"], w_down, rows[g], weights, clamp, ids, stream, threads)
+        gemv_swiglu(rows["down"], w_down, rows[g], weights, clamp, ids, stream, threads,
+                    down_flat)
     else:
         _swiglu_launch(rows["h"], rows[g], rows[u], weights, clamp, col, stream, threads)
         gemv(rows["down"], w_down, rows["h"], ids, stream, threads)
@@ -468,7 +470,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
               down_exps, shared_gate, shared_up, shared_down, clamp: float, clamp_shared: float,
               routed_scale: float, scratch: MoEScratch, normalise: int = 1, stream=0,
               threads=None, side=None, side_x=None, imma_gate_up=False,
-              imma_down: bool = False) -> None:
+              imma_down: bool = False, down_flat: bool = False) -> None:
     """The decode MoE sublayer: out[1, D] f32 <- x[1, D] f32 (the ffn_norm output), §4.11.
 
     gate_inp: QWeight [E, D] router; bias [E] f32; tid2eid [V, k] int32 and token [1] int32
@@ -482,7 +484,8 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
     or a name of imma_iq2_xxs.CANDIDATES): the fused routed gate/up on imma_iq2_xxs.py's int8
     kernel where it takes the weight (IQ2_XXS), instead of the dp4a one (its x preparation on
     ``side_x`` alike); ``imma_down``: the routed down on imma_q2_k's kernel where it takes the
-    weight (Q2_K, gate and up fused). Launches only, into ``scratch``: graph-capturable.
+    weight (Q2_K, gate and up fused); ``down_flat``: its dp4a kernel reading by flat offsets
+    (gemv_lowbit.FLAT_DECODE, a candidate). Launches only, into ``scratch``: graph-capturable.
     Which launches depends on the weight types (module docstring); the fusions change no bit
     of the result. ``out`` None (with a shared expert): no combine launch; the output is left
     in parts, ``scratch.parts`` [1, k + 1, D], for a reader that adds them in combine's order
@@ -547,7 +550,7 @@ def moe_layer(out, x, gate_inp, bias, tid2eid, token, use_hash: int, gate_exps, 
         gemv(S["down"], shared_down, S["h"], None, stream, threads)
     else:
         _swiglu_down(R, down_exps, g, u, col, sc.w_k, clamp, sc.ids_k, stream, threads,
-                     imma_down)
+                     imma_down, down_flat)
     if has_shared and side is not None:
         side.join(stream)
     if out is not None:

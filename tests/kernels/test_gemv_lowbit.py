@@ -153,6 +153,23 @@ def test_gemv_swiglu_equals_swiglu_then_gemv(name):
         assert np.all(np.abs(got - ref) <= err + 1e-6 * np.abs(ref) + 1e-7), clamp
 
 
+def test_flat_offset_build_gives_the_same_bits():
+    """gemv_lowbit.FLAT_DECODE's Q2_K build (quant words and scales read by uint32 flat
+    offsets) reads the same words as the (e, n, j)-indexed kernel: the same outputs, bit for
+    bit, with ids (three experts, rows of two super-blocks, an odd row count) and without."""
+    rng = fresh_rng()
+    E, N, F, T = 3, 9, 512, 3
+    raw = quants.random_blocks(GGMLType.Q2_K, (E, N, F), rng, std=0.05)
+    w = gl.PACKERS[GGMLType.Q2_K](raw, N, F).to_device()
+    d_gu = cuda.to_device(rng.normal(0.0, 2.0, (T, 2 * F)).astype(np.float32))
+    d_wts = cuda.to_device(rng.uniform(0.1, 1.0, T).astype(np.float32))
+    for d_ids in (cuda.to_device(rng.integers(0, E, T).astype(np.int32)), None):
+        base, flat = poisoned((T, N)), poisoned((T, N))
+        gl.gemv_swiglu(base, w, d_gu, d_wts, 10.0, d_ids, threads=THREADS)
+        gl.gemv_swiglu(flat, w, d_gu, d_wts, 10.0, d_ids, threads=THREADS, flat=True)
+        assert np.array_equal(flat.copy_to_host(), base.copy_to_host())
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_smem_tiles(name):
     qtype = TYPES[name]
