@@ -388,16 +388,19 @@ def test_the_sm_wide_routed_gate_up_changes_no_logit():
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the int8 tensor cores)")
 def test_the_routed_gate_up_summed_as_integers_changes_the_logits_by_rounding_only():
     """imma_iq2_xxs's sm3_int_sums (x scaled per 256 columns, a super-block's groups summed as
-    integers; sm3_int_wide the same with its tables wide) against sm3: x rounds to 15 bits of a wider max, so one layer's logits agree to
-    that rounding (the imma test's 1e-4 against dp4a), not bit for bit; eager = replayed."""
+    integers; sm3_int_wide / sm_int_wide the same with its tables wide, 3 / 4 tiles a block)
+    against sm3: x rounds to 15 bits of a wider max, so one layer's logits agree to that
+    rounding (the imma test's 1e-4 against dp4a), not bit for bit; eager = replayed."""
     logits = _flash_4_layer_logits({"sm3": dict(imma_gate_up="sm3"),
                                     "int": dict(imma_gate_up="sm3_int_sums"),
-                                    "wide": dict(imma_gate_up="sm3_int_wide")}, 1, graph=True)
+                                    "wide": dict(imma_gate_up="sm3_int_wide"),
+                                    "wide4": dict(imma_gate_up="sm_int_wide")}, 1, graph=True)
     assert _rel(logits["int"][0], logits["sm3"][0]) <= 1e-4
     assert not np.array_equal(logits["int"][0], logits["sm3"][0])  # (it ran)
     assert np.array_equal(logits["int"][0], logits["int"][1])
     for how in (0, 1):  # the wide tables: the same codes and sums, bit for bit
-        assert np.array_equal(logits["wide"][how], logits["int"][how])
+        for name in ("wide", "wide4"):
+            assert np.array_equal(logits[name][how], logits["int"][how]), (name, how)
 
 
 @pytest.mark.skipif(SIMULATOR, reason="V4-Flash shapes: a GPU test (the routed down's kernel)")

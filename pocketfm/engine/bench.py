@@ -357,6 +357,8 @@ def _decode_variants() -> dict:
                 imma_gate_up="sm3_int_sums"),
             "the routed gate+up's super-blocks summed as integers, wide tables (candidate)": dict(
                 imma_gate_up="sm3_int_wide"),
+            "the routed gate+up's super-blocks summed as integers, wide tables, 4 tiles a block "
+            "(candidate)": dict(imma_gate_up="sm_int_wide"),
             "the routed down reading by flat offsets (candidate)": dict(down_flat_loads=True),
             "the indexer scorer staging q (before q's fragments from the query's launch)": dict(
                 scorer_q_fragments=False)}

@@ -73,8 +73,9 @@ from .device import (SIMULATOR, block_sum, cdiv, kernel, resident_blocks, stream
                      xor_shfl)
 from .lowbit_layout import (GRID_REPS, IQ2_TABLE_WORDS, _GRID_U64, _f32_bits, _iq2_xxs_aux,
                             _iq2_xxs_dot, _iq2_xxs_elem, _iq2_xxs_word, _iq2_xxs_xcol, _ld_u64x2,
-                            _ld_u64x2_flat, _mxfp4_aux, flat_at, _mxfp4_dot, _mxfp4_elem, _mxfp4_word, _mxfp4_xcol,
-                            _q2_k_aux, _q2_k_aux_flat, _q2_k_dot, _q2_k_elem, _q2_k_word, _q2_k_xcol, _q4_k_aux,
+                            _ld_u64x2_flat, _mxfp4_aux, _mxfp4_dot, _mxfp4_elem, _mxfp4_word,
+                            _mxfp4_xcol, _q2_k_aux, _q2_k_aux_flat, _q2_k_dot, _q2_k_elem,
+                            _q2_k_word, _q2_k_xcol, _q4_k_aux, flat_at,
                             _q4_k_dot, _q4_k_elem, _q4_k_word, _q4_k_xcol, pack_iq2_xxs,
                             pack_mxfp4, pack_q2_k, pack_q4_k, unpack_iq2_xxs, unpack_mxfp4,
                             unpack_q2_k, unpack_q4_k)

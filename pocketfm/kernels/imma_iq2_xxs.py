@@ -66,8 +66,9 @@ SM_WARPS = SM_SUBS * WARPS
 # entry s's at 256 s + 128 ..: a lane's code address is its 4 l and the region's high bytes
 # with the grid index as byte 1 (one prmt of the group word and lane_at), its sign address the
 # rotated sign bits or-ed in (one lop3), where the packed tables take a multiply-add and an
-# add. WIDE_SMEM holds the region wherever the dynamic shared memory starts (< 64 KB) and the
-# staged rows before it (where they fit) or after it.
+# add. WIDE_SMEM (or 64 KB and twice the staged rows, where more) holds the region wherever the
+# dynamic shared memory starts (< 64 KB) and the staged rows before it (where they fit) or
+# after it.
 WIDE_SMEM = 2 * 65536
 
 
@@ -149,7 +150,7 @@ def _group_math(reps: int, sign_alu: bool, quad: bool = False, int_sums: bool = 
         if wide:
             # the lane's code entry: the region's bytes 0, 2, 3 and 4 lane with the index byte
             # as byte 1 (entries 256 bytes apart); its sign entry: the 7 bits rotated to bit 8,
-            # or-ed into lane_at's bits with the half-entry's 128 (_WIDE_LAYOUT)
+            # or-ed into lane_at's bits with the half-entry's 128 (the wide layout: WIDE_SMEM)
             code_base, sign_base = lane_at
             code_at = _prmt(uint32(w & uint64(0xFFFFFFFF)), code_base, pick)
             s7_at = _shf_r(wh, wh, (shift - uint32(8)) & uint32(31)) & uint32(127 << 8)
@@ -388,7 +389,7 @@ def _sm_tiles_body(sign_alu: bool, subs: int, int_sums: bool = False, wide: bool
     quarter of the samples were this set-up when every thread loaded and stored 32 words four
     at a time, each load a constant-cache round trip, the first stage requested only after).
     ``int_sums``: _group_math's integer super-block sums (x from prepare_x(super_blocks=True));
-    ``wide``: the tables in _WIDE_LAYOUT (WIDE_SMEM bytes), the rows before or after them."""
+    ``wide``: the tables in the wide layout (WIDE_SMEM), the rows before or after them."""
     tile_stages = _group_math(SM_REPS, sign_alu, int_sums=int_sums, wide=wide)
     table_words = (256 if sign_alu else 384) * SM_REPS
     tables = _TABLES[:table_words // SM_REPS]
@@ -428,7 +429,7 @@ def _sm_tiles_body(sign_alu: bool, subs: int, int_sums: bool = False, wide: bool
             # knows a row's two words at even k for one 16-byte load)
             rows_at = (uint32(0) if region - base >= uint32(rows_bytes)
                        else (region - base + uint32(65536)) // uint32(8)) & uint32(0xFFFFFFFE)
-            if t < entries:  # entry t's word in tab: a code, or sign t - 256 (_WIDE_LAYOUT)
+            if t < entries:  # entry t's word in tab: a code, or sign t - 256 (WIDE_SMEM)
                 at = (region - base) // uint32(4) + uint32(
                     64 * t if t < 256 else 64 * (t - 256) + 32)
                 v = consts[t]
@@ -462,8 +463,8 @@ def _sm_tiles_body(sign_alu: bool, subs: int, int_sums: bool = False, wide: bool
 def sm_tiles_smem(sign_alu: bool = False, subs: int = SM_SUBS, wide: bool = False) -> int:
     """Dynamic shared bytes of the SM-wide build of ``subs`` sub-blocks: the tables' copies,
     then the staged rows (``wide``: WIDE_SMEM)."""
-    if wide:
-        return WIDE_SMEM
+    if wide:  # the region and the rows before it, or (the rows not fitting there) after it
+        return max(WIDE_SMEM, 65536 + 2 * 8 * subs * WARPS * ROWS * STAGE_LD)
     return 4 * (256 if sign_alu else 384) * SM_REPS + 8 * subs * WARPS * ROWS * STAGE_LD
 
 
@@ -560,7 +561,8 @@ def _sm_tiles_kernel(sign_alu: bool = False, subs: int = SM_SUBS, int_sums: bool
     """The SM-wide build (_sm_tiles_body) of ``subs`` sub-blocks, its registers capped so
     that one block fills the register file (128 a thread at 4, 8 bytes spilled; 168 at 3).
     ``smem``: its dynamic shared bytes; ``subs``: its tiles at once; ``super_x``: whether it
-    needs x scaled per super-block (``int_sums``); ``wide``: the tables in _WIDE_LAYOUT."""
+    needs x scaled per super-block (``int_sums``); ``wide``: the tables in the wide layout
+    (WIDE_SMEM)."""
     assert 1 <= subs <= SM_SUBS
     k = kernel(_sm_tiles_body(sign_alu, subs, int_sums, wide),
                max_registers=65536 // (32 * WARPS * subs) // 8 * 8)
@@ -584,14 +586,17 @@ _gemv_iq2_xxs_imma_tiles = _tiles_kernel()
 # (H100, 2026-12-07 (x); the sign rotate beside it: no change, 26.5). sm3_int_sums: sm3 with a
 # super-block's groups summed as integers, x scaled per super-block (~5 instructions fewer a
 # group of ~42, no conversion a group; not yet measured); sm3_int_wide: that with the tables in
-# _WIDE_LAYOUT (2 instructions fewer a grid row; not yet measured).
+# the wide layout (WIDE_SMEM; 2 instructions fewer a grid row; not yet measured);
+# sm_int_wide: that at 4 tiles a block, 128 registers without a spill (sm spills at 128: 44
+# bytes), 16 warps an SM.
 CANDIDATES = {"reps16": _tiles_kernel(16), "alu_signs": _tiles_kernel(sign_alu=True),
               "reps16_alu_signs": _tiles_kernel(16, sign_alu=True),
               "quad": _tiles_kernel(quad=True), "reps16_quad": _tiles_kernel(16, quad=True),
               "sm": _sm_tiles_kernel(), "sm_alu_signs": _sm_tiles_kernel(sign_alu=True),
               "sm3": _sm_tiles_kernel(subs=3), "sm3_alu_signs": _sm_tiles_kernel(True, 3),
               "sm3_int_sums": _sm_tiles_kernel(subs=3, int_sums=True),
-              "sm3_int_wide": _sm_tiles_kernel(subs=3, int_sums=True, wide=True)}
+              "sm3_int_wide": _sm_tiles_kernel(subs=3, int_sums=True, wide=True),
+              "sm_int_wide": _sm_tiles_kernel(int_sums=True, wide=True)}
 _x_imma_groups = kernel(_x_prep(4))
 _x_imma_groups.__name__ = "_x_imma_groups"
 _x_imma_super_blocks = kernel(_x_prep(32))

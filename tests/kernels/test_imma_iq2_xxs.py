@@ -97,10 +97,11 @@ def test_x_preparation_for_integer_sums_takes_the_super_block_scale():
 
 
 def test_integer_sums_builds_equal_the_default_on_super_block_x():
-    """sm3_int_sums (and sm3_int_wide, its tables in the wide layout) over 9 tiles of 4 stages (two rounds, sub-blocks past the end) on x scaled
+    """sm3_int_sums over 9 tiles of 4 stages (two rounds, sub-blocks past the end) on x scaled
     per super-block: the default build's sums of the same codes, up to its float roundings
     (a group's product a float there, a super-block's integer sum here), and the reference
-    within the rounding of x to 15 bits of its super-block's max."""
+    within the rounding of x to 15 bits of its super-block's max; sm3_int_wide and
+    sm_int_wide (its tables in the wide layout, 3 and 4 tiles a block): the same bits."""
     w, x, ids, ref, bound = _case(3, 130, 2048, 2, True, False)
     dw, dx, di = w.to_device(), cuda.to_device(x), cuda.to_device(ids)
     base, out = poisoned((2, 130)), poisoned((2, 130))
@@ -113,9 +114,10 @@ def test_integer_sums_builds_equal_the_default_on_super_block_x():
     # (x rounded to a super-block's max: within the row-max bound of the per-group test)
     assert np.all(np.abs(got - ref) <= bound + 1e-5 * np.abs(ref) + 1e-6)
     # the same codes from the wide table layout, summed in the same order: the same bits
-    wide = poisoned((2, 130))
-    imma.gemv_prepared(wide, dw, imma.prepare_x(dx, super_blocks=True), di, build="sm3_int_wide")
-    assert np.array_equal(wide.copy_to_host(), got)
+    for build in ("sm3_int_wide", "sm_int_wide"):
+        wide = poisoned((2, 130))
+        imma.gemv_prepared(wide, dw, imma.prepare_x(dx, super_blocks=True), di, build=build)
+        assert np.array_equal(wide.copy_to_host(), got), build
 
 
 def test_tables_make_the_signed_grid():
