@@ -108,16 +108,16 @@ def _signs_by_multiplies(s7):
 
 
 @cuda.jit(device=True)
-def _odd_scaled(v, w):
-    """float(v · (2 ls + 1)): a group's integer dot product v times its odd scale (ls: the top
-    4 bits of the group word ``w``; bit 27 below them, a sign bit, is replaced by the 1)."""
-    return float32(int32(v * int32(uint32(w >> uint64(59)) | uint32(1))))
+def _odd(w):
+    """2 ls + 1 of the group word ``w`` as int32 (ls: its top 4 bits; bit 27 below them, a sign
+    bit, is replaced by the 1)."""
+    return int32(uint32(w >> uint64(59)) | uint32(1))
 
 
 @cuda.jit(device=True)
-def _odd(w):
-    """2 ls + 1 of the group word ``w`` as int32 (as _odd_scaled)."""
-    return int32(uint32(w >> uint64(59)) | uint32(1))
+def _odd_scaled(v, w):
+    """float(v · (2 ls + 1)): a group's integer dot product v times its odd scale (_odd)."""
+    return float32(int32(v * _odd(w)))
 
 
 def _group_math(reps: int, sign_alu: bool, quad: bool = False, int_sums: bool = False,
@@ -527,19 +527,13 @@ def _x_prep(lanes: int):
             a = max(a, abs(v[k]))
         for off in offs:
             a = max(a, xor_shfl(a, off, xch))
-        _x_store(xq, xs, v, a, i, b, K)
+        hw, lw, _ = hi_lo_bytes(v, float32(32000) / a if a > 0 else float32(0))
+        if i < K // 8:
+            xq[(2 * b) * (K // 8) + i] = hw
+            xq[(2 * b + 1) * (K // 8) + i] = lw
+            if i % 4 == 0:  # (the group's scale entry)
+                xs[b * (K // 32) + i // 4] = a / float32(32000)
     return x_imma_groups
-
-
-@cuda.jit(device=True)
-def _x_store(xq, xs, v, a, i, b, K):
-    # thread i's 8 columns of x[b] in both byte planes, and its group's scale (a: the max)
-    hw, lw, _ = hi_lo_bytes(v, float32(32000) / a if a > 0 else float32(0))
-    if i < K // 8:
-        xq[(2 * b) * (K // 8) + i] = hw
-        xq[(2 * b + 1) * (K // 8) + i] = lw
-        if i % 4 == 0:
-            xs[b * (K // 32) + i // 4] = a / float32(32000)
 
 
 def _tiles_kernel(reps: int = REPS, sign_alu: bool = False, quad: bool = False,
